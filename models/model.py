@@ -1,0 +1,127 @@
+"""`Model`: a hashable handle on one configuration with jitted prefill / decode entry points.
+
+    model = Model(cfg)
+    params = model.init_params(seed=0)               # or a loader's params
+    cache = model.init_cache(capacity=T + max_new)
+    logits, cache, aux = model.prefill(params, tokens, cache)
+    logits, cache = model.decode_step(params, token, pos, cache)            # full attention
+    logits, cache = model.decode_step(params, token, pos, cache, policy)    # any eviction policy
+
+Inputs are validated here, before tracing, so bad input gives a message instead of an error
+from inside JAX. The jitted functions take the model and the policy as static arguments:
+one compilation per (model, policy, shapes), reused across decode steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpcache_jax.cache import KVCache, empty_cache
+from mpcache_jax.policy import FULL, AttentionPolicy, PrefillAux
+from models.config import ModelConfig
+from models.transformer import DecoderLM
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _forward(model, params, tokens):
+    return model.module.apply({"params": params}, tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "return_queries", "all_logits"))
+def _prefill(model, params, tokens, cache, return_queries, all_logits):
+    return model.module.apply({"params": params}, tokens, cache, return_queries, all_logits,
+                              method=DecoderLM.prefill)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "policy"), donate_argnames=("cache",))
+def _decode(model, params, token, pos, cache, policy):
+    return model.module.apply({"params": params}, token, pos, cache, policy,
+                              method=DecoderLM.decode)
+
+
+def tie_lm_head(params: dict) -> dict:
+    """Set lm_head/kernel to a contiguous copy of embed/embedding.T (faster than x @ E.T in jit)."""
+    params = dict(params)
+    params["lm_head"] = {"kernel": jnp.asarray(np.ascontiguousarray(
+        np.asarray(params["embed"]["embedding"]).T))}
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    cfg: ModelConfig
+
+    @property
+    def module(self) -> DecoderLM:
+        return DecoderLM(self.cfg)
+
+    # ----- construction -------------------------------------------------------------------
+    def init_params(self, seed: int = 0) -> dict:
+        """Random parameters (normal(0.02) kernels, unit norms), LM head tied if configured."""
+        params = jax.jit(self.module.init)(jax.random.PRNGKey(seed),
+                                           jnp.zeros((1,), jnp.int32))["params"]
+        params = jax.tree_util.tree_map(lambda x: x, dict(params))
+        return tie_lm_head(params) if self.cfg.tie_embeddings else params
+
+    def init_cache(self, capacity: int, dtype=jnp.float32) -> KVCache:
+        c = self.cfg
+        return empty_cache(c.num_layers, c.num_kv_heads, capacity, c.head_dim, dtype)
+
+    # ----- validation ---------------------------------------------------------------------
+    def _check_tokens(self, tokens) -> jax.Array:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or arr.shape[0] == 0:
+            raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"tokens must be integer ids, got dtype {arr.dtype}")
+        if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got range "
+                             f"[{arr.min()}, {arr.max()}]")
+        if arr.shape[0] > self.cfg.max_position:
+            raise ValueError(f"{arr.shape[0]} tokens exceed the model's context of "
+                             f"{self.cfg.max_position} positions ({self.cfg.name})")
+        return jnp.asarray(arr, jnp.int32)
+
+    def _check_position(self, pos: int):
+        if not 0 <= int(pos) < self.cfg.max_position:
+            raise ValueError(f"position {int(pos)} is outside the model's context of "
+                             f"{self.cfg.max_position} positions ({self.cfg.name})")
+
+    # ----- entry points -------------------------------------------------------------------
+    def forward(self, params, tokens) -> jax.Array:
+        """Logits [T, V] for every position, recomputing the whole sequence (no cache)."""
+        return _forward(self, params, self._check_tokens(tokens))
+
+    def prefill(self, params, tokens, cache: KVCache, *, return_queries: bool = False,
+                all_logits: bool = False):
+        """Run the prompt through the model, filling an empty dense cache.
+
+        Returns (logits, cache, aux): logits [V] for the last prompt token ([T, V] with
+        all_logits), the cache with slots [0, T) filled, and a PrefillAux (prompt queries per
+        layer when return_queries, for policies that score tokens at prefill).
+        """
+        tokens = self._check_tokens(tokens)
+        T = tokens.shape[0]
+        capacity = cache[0].capacity
+        if len(cache) != self.cfg.num_layers:
+            raise ValueError(f"cache has {len(cache)} layers, the model has {self.cfg.num_layers}")
+        if T > capacity:
+            raise ValueError(f"prompt of {T} tokens is longer than the cache capacity {capacity}; "
+                             "create the cache with capacity >= prompt length + new tokens")
+        logits, cache, queries = _prefill(self, params, tokens, cache, return_queries, all_logits)
+        return logits, cache, PrefillAux(queries=queries, prompt_len=T)
+
+    def decode_step(self, params, token, pos, cache: KVCache,
+                    policy: AttentionPolicy = FULL):
+        """One new token at absolute position `pos` -> (logits [V], updated cache).
+
+        The cache argument is donated (updated in place); use the returned cache.
+        """
+        if not isinstance(pos, jax.core.Tracer):
+            self._check_position(pos)
+        return _decode(self, params, jnp.asarray(token, jnp.int32), jnp.asarray(pos, jnp.int32),
+                       cache, policy)

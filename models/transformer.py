@@ -1,0 +1,212 @@
+"""Decoder-only transformers (LLaMA family and GPT-2) as Flax linen modules.
+
+The modules are stateless: parameters are an explicit pytree and the KV cache is passed in
+and returned. Layers are separate submodules (`layers_0`, `layers_1`, ...) rather than one
+stacked, scanned block: on XLA:CPU slicing stacked weights inside jit copies them (4-5x
+slower decode).
+
+Parameter tree (both architectures):
+  embed/embedding [V, D]            pos_embed/embedding [P, D] (gpt2)
+  layers_i/input_norm/{scale[, bias]}  layers_i/post_norm/{scale[, bias]}
+  llama: layers_i/{q,k,v,o}_proj/kernel, layers_i/{gate,up,down}_proj/kernel
+  gpt2:  layers_i/qkv_proj/{kernel,bias}, layers_i/o_proj/{kernel,bias},
+         layers_i/fc_in/{kernel,bias}, layers_i/fc_out/{kernel,bias}
+  final_norm/{scale[, bias]}        lm_head/kernel [D, V] (a contiguous copy of embed.T when tied)
+Kernels are (in_features, out_features).
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mpcache_jax import attention
+from mpcache_jax.policy import AttentionPolicy
+from models.config import ModelConfig
+
+_INIT = nn.initializers.normal(stddev=0.02)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps) * scale
+
+
+class LayerNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],))
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        centered = x - mean
+        var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+        return centered * jax.lax.rsqrt(var + self.eps) * scale + bias
+
+
+def activation_fn(name: str):
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return lambda x: jax.nn.gelu(x, approximate=False)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [T, head_dim] for the half-rotation ("rotate_half") RoPE convention."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [heads, T, d]; cos, sin: [T, d]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[None] + rotated * sin[None]
+
+
+class LlamaBlock(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        dense = lambda n, name: nn.Dense(n, use_bias=False, kernel_init=_INIT, name=name)
+        self.input_norm = RMSNorm(c.norm_eps)
+        self.post_norm = RMSNorm(c.norm_eps)
+        self.q_proj = dense(c.num_heads * c.head_dim, "q_proj")
+        self.k_proj = dense(c.num_kv_heads * c.head_dim, "k_proj")
+        self.v_proj = dense(c.num_kv_heads * c.head_dim, "v_proj")
+        self.o_proj = dense(c.hidden_size, "o_proj")
+        self.gate_proj = dense(c.intermediate_size, "gate_proj")
+        self.up_proj = dense(c.intermediate_size, "up_proj")
+        self.down_proj = dense(c.hidden_size, "down_proj")
+
+    def qkv(self, x, positions):
+        """x: [T, D] -> q [H, T, d], k [H_kv, T, d], v [H_kv, T, d] (RoPE applied)."""
+        c = self.cfg
+        h = self.input_norm(x)
+        T = x.shape[0]
+        q = self.q_proj(h).reshape(T, c.num_heads, c.head_dim).transpose(1, 0, 2)
+        k = self.k_proj(h).reshape(T, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
+        v = self.v_proj(h).reshape(T, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, x, attn):
+        """x: [T, D] residual stream; attn: [H, T, d] attention output -> block output [T, D]."""
+        T = x.shape[0]
+        x = x + self.o_proj(attn.transpose(1, 0, 2).reshape(T, -1))
+        h = self.post_norm(x)
+        act = activation_fn(self.cfg.activation)
+        return x + self.down_proj(act(self.gate_proj(h)) * self.up_proj(h))
+
+
+class GPT2Block(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        dense = lambda n, name: nn.Dense(n, use_bias=True, kernel_init=_INIT, name=name)
+        self.input_norm = LayerNorm(c.norm_eps)
+        self.post_norm = LayerNorm(c.norm_eps)
+        self.qkv_proj = dense(3 * c.hidden_size, "qkv_proj")
+        self.o_proj = dense(c.hidden_size, "o_proj")
+        self.fc_in = dense(c.intermediate_size, "fc_in")
+        self.fc_out = dense(c.hidden_size, "fc_out")
+
+    def qkv(self, x, positions):
+        del positions  # GPT-2 adds learned position embeddings to the input instead
+        c = self.cfg
+        T = x.shape[0]
+        fused = self.qkv_proj(self.input_norm(x)).reshape(T, 3, c.num_heads, c.head_dim)
+        q, k, v = (fused[:, i].transpose(1, 0, 2) for i in range(3))
+        return q, k, v
+
+    def finish(self, x, attn):
+        T = x.shape[0]
+        x = x + self.o_proj(attn.transpose(1, 0, 2).reshape(T, -1))
+        act = activation_fn(self.cfg.activation)
+        return x + self.fc_out(act(self.fc_in(self.post_norm(x))))
+
+
+class DecoderLM(nn.Module):
+    """Token embedding -> blocks -> final norm -> LM head, with prefill and decode entry points."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        self.embed = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_INIT)
+        if c.arch == "gpt2":
+            self.pos_embed = nn.Embed(c.max_position, c.hidden_size, embedding_init=_INIT)
+            self.final_norm = LayerNorm(c.norm_eps)
+            block = GPT2Block
+        else:
+            self.final_norm = RMSNorm(c.norm_eps)
+            block = LlamaBlock
+        self.layers = [block(c) for _ in range(c.num_layers)]
+        self.lm_head = nn.Dense(c.vocab_size, use_bias=False, kernel_init=_INIT)
+
+    def _embed(self, tokens, positions):
+        x = self.embed(tokens).astype(jnp.float32)
+        if self.cfg.arch == "gpt2":
+            x = x + self.pos_embed(positions)
+        return x
+
+    def __call__(self, tokens):
+        """Whole-sequence forward without a cache. tokens: [T] -> logits [T, V]."""
+        positions = jnp.arange(tokens.shape[0])
+        x = self._embed(tokens, positions)
+        for block in self.layers:
+            q, k, v = block.qkv(x, positions)
+            out, _ = attention.causal_attention(q, k, v)
+            x = block.finish(x, out)
+        return self.lm_head(self.final_norm(x))
+
+    def prefill(self, tokens, cache, return_queries: bool, all_logits: bool):
+        """tokens: [T]; cache: per-layer LayerKV of capacity >= T (empty).
+
+        Returns (logits [T, V] or [V], filled cache, per-layer queries [H, T, d] or None).
+        """
+        from mpcache_jax.cache import fill_prefix
+
+        positions = jnp.arange(tokens.shape[0])
+        x = self._embed(tokens, positions)
+        new_cache, queries = [], []
+        for block, layer in zip(self.layers, cache):
+            q, k, v = block.qkv(x, positions)
+            out, _ = attention.causal_attention(q, k, v)
+            x = block.finish(x, out)
+            new_cache.append(fill_prefix(layer, k, v))
+            queries.append(q)
+        h = self.final_norm(x if all_logits else x[-1:])
+        logits = self.lm_head(h)
+        return (logits if all_logits else logits[0]), tuple(new_cache), (
+            tuple(queries) if return_queries else None)
+
+    def decode(self, token, pos, cache, policy: AttentionPolicy):
+        """token: int32 []; pos: int32 [] absolute position. Returns (logits [V], cache)."""
+        positions = jnp.reshape(pos, (1,))
+        x = self._embed(jnp.reshape(token, (1,)), positions)
+        carry = policy.init_carry()
+        new_cache = []
+        for index, (block, state) in enumerate(zip(self.layers, cache)):
+            q, k, v = block.qkv(x, positions)
+            out, state, carry = policy.attend(index, q[:, 0], k[:, 0], v[:, 0], state, carry)
+            x = block.finish(x, out[:, None, :])
+            new_cache.append(state)
+        return self.lm_head(self.final_norm(x))[0], tuple(new_cache)
+
+
+def param_count(params) -> int:
+    return int(sum(math.prod(p.shape) for p in jax.tree_util.tree_leaves(params)))

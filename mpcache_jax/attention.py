@@ -1,0 +1,77 @@
+"""Attention math shared by prefill, dense decode and every eviction policy.
+
+Everything here is written so that the same function compiles for XLA and for SPU:
+masks are public 0/1 arrays applied by multiplication, and the softmax never feeds a
+very negative number into `exp` (SPU's fixed-point exp returns garbage below about -1000).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Logit given to masked slots after max-subtraction: exp(-100) is 0 in float32 after the
+# multiplication by the mask, and is a value SPU's fixed-point exp handles.
+MASK_LOGIT = -100.0
+# Stand-in for "minus infinity" when taking the row max; never exponentiated.
+MAX_FILL = -1e4
+
+
+def masked_softmax(scores: jax.Array, valid: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax over `axis` restricted to entries where `valid` is 1.
+
+    scores: any shape; valid: 0/1 or bool broadcastable to `scores`. Rows with no valid
+    entry return all zeros. Only linear operations involve the mask, so a public mask costs
+    nothing under MPC.
+    """
+    valid = valid.astype(scores.dtype)
+    row_max = jnp.max(scores * valid + MAX_FILL * (1.0 - valid), axis=axis, keepdims=True)
+    row_max = jax.lax.stop_gradient(row_max)
+    shifted = (scores - row_max) * valid + MASK_LOGIT * (1.0 - valid)
+    weights = jnp.exp(shifted) * valid
+    denom = jnp.sum(weights, axis=axis, keepdims=True)
+    return weights / jnp.where(denom > 0, denom, 1.0)
+
+
+def _group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """[H, ..., d] -> [H_kv, G, ..., d] with G = H // H_kv consecutive query heads per KV head."""
+    heads = q.shape[0]
+    return q.reshape((num_kv_heads, heads // num_kv_heads) + q.shape[1:])
+
+
+def decode_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """Scaled dot products of one query per head with a key buffer.
+
+    q: [H, d], k: [H_kv, S, d] -> [H_kv, G, S].
+    """
+    qg = _group_queries(q, k.shape[0])
+    return jnp.einsum("kgd,ksd->kgs", qg, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+    """Single-token grouped-query attention over a key/value buffer.
+
+    q: [H, d]; k, v: [H_kv, S, d]; valid: [S] or [H_kv, S] (1 = slot holds a token to attend to).
+    Returns [H, d].
+    """
+    scores = decode_scores(q, k)
+    if valid.ndim == 1:
+        valid = valid[None, None, :]
+    else:
+        valid = valid[:, None, :]
+    probs = masked_softmax(scores, valid)
+    out = jnp.einsum("kgs,ksd->kgd", probs, v)
+    return out.reshape(q.shape)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Full causal self-attention over a prompt.
+
+    q: [H, T, d]; k, v: [H_kv, T, d]. Returns (out [H, T, d], probs [H_kv, G, T, T]).
+    """
+    T = q.shape[1]
+    qg = _group_queries(q, k.shape[0])
+    scores = jnp.einsum("kgtd,ksd->kgts", qg, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    causal = jnp.tril(jnp.ones((T, T), dtype=q.dtype))
+    probs = masked_softmax(scores, causal)
+    out = jnp.einsum("kgts,ksd->kgtd", probs, v)
+    return out.reshape(q.shape), probs

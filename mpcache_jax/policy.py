@@ -1,0 +1,66 @@
+"""The attention seam: how a decode step reads and updates each layer's KV cache.
+
+The model computes q/k/v for the new token in every layer and hands them to
+`policy.attend`; the policy appends the new token to its per-layer state, decides which
+cached tokens take part, and returns the attention output. `full` and every eviction
+policy are therefore the same model program with a different (static, hashable) policy.
+
+A policy's life cycle:
+  cache = policy.compress(dense_prefill_cache, aux, max_new_tokens)   # once after prefill
+  carry = policy.init_carry()                                         # per decode step
+  out, state_l, carry = policy.attend(l, q, k_new, v_new, cache[l], carry)  # per layer
+`carry` flows from layer to layer inside one decode step (cross-layer index sharing).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+
+from mpcache_jax import attention
+from mpcache_jax.cache import KVCache, LayerKV, append_token
+
+
+@flax.struct.dataclass
+class PrefillAux:
+    """What prefill exposes to policies besides the dense cache.
+
+    queries: per layer [H, T, d] post-RoPE prompt queries (None unless prefill was asked
+    for them); prompt_len: static T.
+    """
+
+    queries: tuple[jax.Array, ...] | None
+    prompt_len: int = flax.struct.field(pytree_node=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPolicy:
+    """Dense attention over every cached token (the `full` policy) and the policy interface."""
+
+    name: str = "full"
+    # Whether compress() needs the prompt queries from prefill (static eviction scores).
+    needs_queries: bool = dataclasses.field(default=False, repr=False)
+
+    def compress(self, cache: KVCache, aux: PrefillAux, max_new_tokens: int) -> KVCache:
+        """Turn the dense prefill cache into this policy's decode cache."""
+        for layer in cache:
+            free = layer.capacity - aux.prompt_len
+            if free < max_new_tokens:
+                raise ValueError(
+                    f"the prefill cache has room for {free} new tokens but {max_new_tokens} were "
+                    "requested; allocate capacity >= prompt length + max_new_tokens")
+        return cache
+
+    def init_carry(self) -> Any:
+        return ()
+
+    def attend(self, layer: int, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
+               state: LayerKV, carry: Any) -> tuple[jax.Array, Any, Any]:
+        """q: [H, d]; k_new, v_new: [H_kv, d]. Returns (out [H, d], new state, carry)."""
+        state = append_token(state, k_new, v_new)
+        return attention.decode_attention(q, state.k, state.v, state.valid()), state, carry
+
+
+FULL = AttentionPolicy()
