@@ -54,7 +54,8 @@ class AttentionPolicy:
         return cache
 
     def init_carry(self) -> Any:
-        return ()
+        """Cross-layer state at the start of a decode step (None: nothing shared yet)."""
+        return None
 
     def attend(self, layer: int, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                state: LayerKV, carry: Any) -> tuple[jax.Array, Any, Any]:

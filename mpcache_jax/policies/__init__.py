@@ -1,0 +1,49 @@
+"""Policy registry: name -> configured policy. The CLI, tests and benchmarks enumerate it.
+
+    policy = make_policy("mpcache", budget=0.1, alpha=0.5)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from mpcache_jax.policy import FULL, AttentionPolicy
+from mpcache_jax.policies.base import PromptEvictionPolicy, StreamingLLM
+from mpcache_jax.policies.mpcache import MPCache
+
+# name -> (policy class, fixed settings that define the variant)
+_REGISTRY: dict[str, tuple[Callable[..., AttentionPolicy], dict]] = {
+    "full": (AttentionPolicy, {}),
+    "streaming_llm": (StreamingLLM, {}),
+    "mpcache": (MPCache, {}),
+    # Figure 11 ablation ladder: full -> static -> +dynamic (token level) -> +cluster (MP bound)
+    # -> +linearize/reorder (alpha bound) -> +layer sharing (= mpcache).
+    "mpcache_static": (MPCache, {"dynamic": False}),
+    "mpcache_dynamic": (MPCache, {"levels": ((1, None),), "share_group": 1}),
+    "mpcache_cluster": (MPCache, {"similarity": "mp", "share_group": 1}),
+    "mpcache_linear": (MPCache, {"share_group": 1}),
+}
+POLICY_NAMES = tuple(_REGISTRY)
+
+
+def make_policy(name: str, budget: float | int | None = None, **overrides) -> AttentionPolicy:
+    """A configured policy. `budget` (ratio of the prompt or token count) is ignored by `full`."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(POLICY_NAMES)}")
+    cls, fixed = _REGISTRY[name]
+    if cls is AttentionPolicy:
+        if overrides:
+            raise ValueError(f"policy 'full' takes no options, got {sorted(overrides)}")
+        return FULL
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"policy {name!r} has no option(s) {unknown}; options: {sorted(fields)}")
+    settings = {"name": name, **fixed, **overrides}
+    if budget is not None:
+        settings["budget"] = budget
+    return cls(**settings)
+
+
+__all__ = ["POLICY_NAMES", "make_policy", "AttentionPolicy", "PromptEvictionPolicy", "MPCache",
+           "StreamingLLM", "FULL"]

@@ -1,0 +1,239 @@
+"""MPCache: look-once static eviction at prefill + hierarchical clustered dynamic selection.
+
+Static eviction (paper Section 4.2): the last `window_ratio` of prompt queries vote with their
+attention; per layer (shared by its heads, or per KV head) the top `static_keep` tokens stay.
+Dynamic selection (Section 4.3), every decode step: the kept tokens are grouped into clusters
+of adjacent tokens, scored by q . (alpha r_max + (1 - alpha) r_min) (or the exact MP bound, or
+the mean), and selected coarse to fine; the first (sink) and last (most recent) clusters are
+always selected; all selections and gathers are masks and one-hot matmuls.
+Cross-layer index sharing (Section 4.4): a selecting layer's choice is reused by the next
+`share_group - 1` layers; layers below `share_from` always select for themselves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpcache_jax import primitives as P
+from mpcache_jax.cache import append_token
+from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_with_new,
+                                       window_attention_mass)
+
+SIMILARITIES = ("alpha", "mp", "avg")
+
+
+def _is_ratio_or_count(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 1
+    return isinstance(value, float) and 0.0 < value <= 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MPCache(PromptEvictionPolicy):
+    """MPCache and, through its switches, every ablation of the paper's Figure 11.
+
+    budget: prompt tokens attended per decode step (ratio of the prompt or a count).
+    static_keep: tokens kept by static eviction (ratio or count); None = max(25% of the prompt,
+      2 x budget), so the coarse level (which keeps half its clusters) has room to choose.
+    levels: ((cluster_size, keep_ratio), ..., (finest_size, None)) coarse to fine; each level
+      keeps at least keep_ratio of its valid clusters and enough for the next level; the last
+      level selects the final budget. Sizes must divide each other (coarse >= fine).
+    """
+
+    name: str = "mpcache"
+    needs_queries: bool = True
+    static_keep: float | int | None = None
+    static: bool = True
+    dynamic: bool = True
+    window_ratio: float = 0.2
+    static_per_head: bool = False
+    levels: tuple = ((32, 0.5), (16, None))
+    similarity: str = "alpha"
+    alpha: float = 0.6
+    share_group: int = 2
+    share_from: int = 2
+    share_static: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (self.static or self.dynamic):
+            raise ValueError("MPCache needs static or dynamic eviction (or both); for no eviction "
+                             "use the 'full' policy")
+        if self.static_keep is not None and not _is_ratio_or_count(self.static_keep):
+            raise ValueError(f"static_keep={self.static_keep!r} must be a ratio in (0, 1], a "
+                             "token count >= 1, or None for the default")
+        if not 0.0 < self.window_ratio <= 1.0:
+            raise ValueError(f"window_ratio={self.window_ratio} must be in (0, 1]")
+        if not self.levels:
+            raise ValueError("levels must hold at least one (cluster_size, keep_ratio) pair")
+        sizes = [lv[0] for lv in self.levels]
+        for i, level in enumerate(self.levels):
+            if len(level) != 2:
+                raise ValueError(f"level {i} = {level!r} must be a (cluster_size, keep_ratio) pair")
+            size, keep = level
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"cluster size {size!r} at level {i} must be a positive integer")
+            if i == len(self.levels) - 1:
+                if keep is not None:
+                    raise ValueError("the last level selects the final budget: give its keep "
+                                     f"ratio as None, not {keep!r}")
+            elif not (isinstance(keep, float) and 0.0 < keep <= 1.0):
+                raise ValueError(f"keep ratio {keep!r} at level {i} must be a float in (0, 1]")
+            if i and (sizes[i] > sizes[i - 1] or sizes[i - 1] % sizes[i]):
+                raise ValueError(f"cluster sizes must go coarse to fine, each dividing the one "
+                                 f"before: got {sizes}")
+        if self.similarity not in SIMILARITIES:
+            raise ValueError(f"similarity={self.similarity!r}; use one of {SIMILARITIES}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
+        if self.share_group < 1 or self.share_from < 0:
+            raise ValueError(f"share_group={self.share_group} must be >= 1 and share_from="
+                             f"{self.share_from} >= 0 (share_group=1 disables sharing)")
+        finest = sizes[-1]
+        if self.dynamic and isinstance(self.budget, int) and self.budget < 2 * finest:
+            raise ValueError(f"budget={self.budget} tokens cannot hold the 2 always-selected "
+                             f"clusters of {finest} tokens; raise the budget or use a smaller "
+                             "finest cluster size")
+
+    # --- sizes -----------------------------------------------------------------------------
+    @property
+    def sizes(self) -> list[int]:
+        return [lv[0] for lv in self.levels]
+
+    def selects(self, layer: int) -> bool:
+        """Whether `layer` runs its own selection (otherwise it reuses the previous one)."""
+        return layer < self.share_from or (layer - self.share_from) % self.share_group == 0
+
+    def kept_count(self, prompt_len: int) -> int:
+        B = P.budget_tokens(self.budget, prompt_len)
+        if not self.dynamic:
+            return B
+        if not self.static:
+            return prompt_len
+        if self.static_keep is None:
+            auto = max(math.ceil(0.25 * prompt_len), 2 * B)
+            return min(prompt_len, auto)
+        return max(B, P.budget_tokens(self.static_keep, prompt_len))
+
+    def region_capacity(self, prompt_len: int) -> int:
+        kept = self.kept_count(prompt_len)
+        if not self.dynamic:
+            return kept
+        return math.ceil(kept / self.sizes[0]) * self.sizes[0]
+
+    def level_counts(self, kept: int, budget: int) -> list[int]:
+        """Clusters selected at each level for `kept` prompt tokens and a `budget` in tokens."""
+        sizes = self.sizes
+        valid = [math.ceil(kept / s) for s in sizes]
+        last = valid[-1] if budget >= kept else budget // sizes[-1]
+        if last < min(2, valid[-1]):
+            raise ValueError(f"a budget of {budget} tokens cannot hold the 2 always-selected "
+                             f"clusters of {sizes[-1]} tokens; raise the budget or use a smaller "
+                             "finest cluster size")
+        counts = [0] * len(sizes)
+        counts[-1] = last
+        for i in range(len(sizes) - 2, -1, -1):
+            r = sizes[i] // sizes[i + 1]
+            pad = r * valid[i] - valid[i + 1]   # empty children, all in the last cluster
+            need = math.ceil((counts[i + 1] + pad) / r)
+            keep = math.ceil(self.levels[i][1] * valid[i])
+            counts[i] = min(valid[i], max(keep, need, min(2, valid[i])))
+        return counts
+
+    # --- static eviction -------------------------------------------------------------------
+    def keep_scores(self, layer, q, k, prompt_len, carry):
+        if self.share_static and not self.selects(layer) and carry is not None:
+            return carry, carry
+        window = max(1, math.ceil(self.window_ratio * prompt_len))
+        mass = jnp.sum(window_attention_mass(q, k, window), axis=1)   # [H_kv, T]
+        scores = mass if self.static_per_head else jnp.sum(mass, axis=0)
+        return scores, scores
+
+    def layer_extras(self, kept_k, valid):
+        if not self.dynamic:
+            return None
+        digests = []
+        for s in self.sizes:
+            r_max, r_min = P.cluster_bounds(kept_k, s, valid)
+            if self.similarity == "alpha":
+                digests.append((self.alpha * r_max + (1.0 - self.alpha) * r_min,))
+            elif self.similarity == "mp":
+                digests.append((r_max, r_min))
+            else:
+                Hkv, S, d = kept_k.shape
+                w = valid.reshape(Hkv, S // s, s, 1)
+                total = jnp.sum(kept_k.reshape(Hkv, S // s, s, d) * w, axis=2)
+                digests.append((total / jnp.maximum(jnp.sum(w, axis=2), 1.0),))
+        return tuple(digests)
+
+    # --- dynamic selection -----------------------------------------------------------------
+    def _scores(self, qg, digest):
+        if self.similarity == "alpha":
+            return P.cluster_scores(qg, digest[0], digest[0], mode="alpha", alpha=1.0)
+        if self.similarity == "mp":
+            return P.cluster_scores(qg, digest[0], digest[1], mode="mp")
+        return P.cluster_scores(qg, digest[0], digest[0], mode="avg", mean=digest[0])
+
+    def select(self, q, state: PrunedLayer) -> jax.Array:
+        """Hierarchical selection -> one-hot [H_kv, k, C] over the finest clusters (rows in
+        cluster order). q: [H, d]."""
+        Hkv, S, _ = state.k.shape
+        qg = q.reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])
+        sizes = self.sizes
+        kept = state.kept
+        counts = self.level_counts(kept, P.budget_tokens(self.budget, state.prompt_len))
+        valid = [math.ceil(kept / s) for s in sizes]
+        total = [S // s for s in sizes]
+        dtype = state.k.dtype
+
+        # Level 0: every cluster of the kept region is a candidate.
+        k0 = counts[0]
+        if k0 == valid[0]:
+            chosen = jnp.broadcast_to(jnp.eye(total[0], dtype=dtype)[:k0], (Hkv, k0, total[0]))
+        else:
+            forced = np.zeros(total[0], np.float32)
+            forced[[0, valid[0] - 1]] = 1.0
+            cand_valid = (np.arange(total[0]) < valid[0]).astype(np.float32)
+            mask = P.topk_mask(self._scores(qg, state.extras[0]), k0, valid=cand_valid,
+                               forced=forced, method=self.topk_method)
+            chosen = P.mask_onehot(mask, k0)                               # [H_kv, k0, C0]
+
+        # Finer levels: candidates are the children of the clusters chosen one level up.
+        for i in range(1, len(sizes)):
+            r = sizes[i - 1] // sizes[i]
+            prev = chosen.shape[1]
+            child = jnp.einsum("hac,ij->haicj", chosen, jnp.eye(r, dtype=dtype)).reshape(
+                Hkv, prev * r, total[i])
+            n_cand = prev * r
+            pad = r * valid[i - 1] - valid[i]        # empty children sit at the very end
+            cand_valid = (np.arange(n_cand) < n_cand - pad).astype(np.float32)
+            if counts[i] == n_cand - pad:
+                local = jnp.eye(n_cand, dtype=dtype)[: counts[i]]
+                chosen = jnp.einsum("kn,hnc->hkc", local, child)
+                continue
+            forced = np.zeros(n_cand, np.float32)
+            forced[[0, n_cand - pad - 1]] = 1.0
+            digest = tuple(P.gather_rows(child, part) for part in state.extras[i])
+            mask = P.topk_mask(self._scores(qg, digest), counts[i], valid=cand_valid,
+                               forced=forced, method=self.topk_method)
+            chosen = jnp.einsum("hkn,hnc->hkc", P.mask_onehot(mask, counts[i]), child)
+        return chosen
+
+    def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
+        new = append_token(state.new, k_new, v_new)
+        if not self.dynamic:
+            return attend_with_new(q, state.k, state.v, state.valid, new), state.replace(new=new), carry
+        if self.selects(layer) or carry is None:
+            carry = self.select(q, state)
+        s = self.sizes[-1]
+        k_sel = P.gather_clusters(carry, state.k, s)
+        v_sel = P.gather_clusters(carry, state.v, s)
+        valid_sel = P.gather_clusters(carry, state.valid[..., None], s)[..., 0]
+        out = attend_with_new(q, k_sel, v_sel, valid_sel, new)
+        return out, state.replace(new=new), carry
