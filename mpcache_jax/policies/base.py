@@ -130,8 +130,15 @@ class PromptEvictionPolicy(AttentionPolicy):
     def region_capacity(self, prompt_len: int) -> int:
         return self.kept_count(prompt_len)
 
+    def check_prompt(self, prompt_len: int) -> None:
+        """Raise a clear error when this configuration cannot serve a prompt of this length."""
+
     def compress(self, cache, aux: PrefillAux, max_new_tokens: int):
         T = aux.prompt_len
+        self.check_prompt(T)
+        if self.needs_queries and aux.queries is None:
+            raise ValueError(f"policy {self.name!r} scores tokens with the prompt queries: call "
+                             "prefill(..., return_queries=True)")
         count = self.kept_count(T)
         capacity = self.region_capacity(T)
         forced = self.forced_keep(T, count)

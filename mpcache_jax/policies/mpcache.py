@@ -146,6 +146,10 @@ class MPCache(PromptEvictionPolicy):
             counts[i] = min(valid[i], max(keep, need, min(2, valid[i])))
         return counts
 
+    def check_prompt(self, prompt_len: int) -> None:
+        if self.dynamic:
+            self.level_counts(self.kept_count(prompt_len), P.budget_tokens(self.budget, prompt_len))
+
     # --- static eviction -------------------------------------------------------------------
     def keep_scores(self, layer, q, k, prompt_len, carry):
         if self.share_static and not self.selects(layer) and carry is not None:

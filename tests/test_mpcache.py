@@ -1,0 +1,140 @@
+"""MPCache policy behaviour on tiny models: exactness at full budget, budgets, selection rules."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mpcache_jax import primitives as P
+from mpcache_jax.generate import compress_cache
+from mpcache_jax.policies import POLICY_NAMES, MPCache, make_policy
+from mpcache_jax.policies.base import PrunedLayer
+from models import registry
+
+SMALL_LEVELS = {"levels": ((8, 0.5), (4, None))}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    lm = registry.load("llama-tiny")
+    tokens = np.random.RandomState(0).randint(0, lm.model.cfg.vocab_size, size=140)
+    return lm.model, lm.params, tokens
+
+
+def _run(model, params, tokens, policy, prompt_len, steps):
+    cache = model.init_cache(prompt_len + steps)
+    _, cache, aux = model.prefill(params, tokens[:prompt_len], cache,
+                                  return_queries=policy.needs_queries)
+    cache = compress_cache(policy, cache, aux, steps)
+    out = []
+    for t in range(prompt_len, prompt_len + steps):
+        logits, cache = model.decode_step(params, tokens[t], t, cache, policy)
+        out.append(np.asarray(logits))
+    return np.stack(out), cache
+
+
+@pytest.mark.parametrize("similarity", ["alpha", "mp", "avg"])
+def test_full_budget_equals_full_attention(tiny, similarity):
+    model, params, tokens = tiny
+    want, _ = _run(model, params, tokens, make_policy("full"), 120, 6)
+    policy = make_policy("mpcache", 1.0, similarity=similarity, **SMALL_LEVELS)
+    got, _ = _run(model, params, tokens, policy, 120, 6)
+    assert np.abs(got - want).max() <= 1e-5
+
+
+def test_budget_changes_output_and_is_respected(tiny):
+    model, params, tokens = tiny
+    want, _ = _run(model, params, tokens, make_policy("full"), 120, 4)
+    policy = make_policy("mpcache", 24, static_keep=64, **SMALL_LEVELS)
+    got, cache = _run(model, params, tokens, policy, 120, 4)
+    assert np.abs(got - want).max() > 1e-4  # eviction really happened
+    layer = cache[0]
+    assert isinstance(layer, PrunedLayer) and layer.kept == 64
+    # Selection: exactly budget // finest-size clusters, each of 4 tokens, per KV head.
+    q = jnp.asarray(np.random.RandomState(1).randn(model.cfg.num_heads, model.cfg.head_dim),
+                    jnp.float32)
+    onehot = np.asarray(policy.select(q, layer))
+    assert onehot.shape[1] * 4 <= 24
+    np.testing.assert_array_equal(onehot.sum(-1), 1.0)          # each row picks one cluster
+    chosen = [set(np.argmax(row, -1).tolist()) for row in onehot]
+    for heads_set in chosen:
+        assert 0 in heads_set and (64 // 4 - 1) in heads_set       # sink + most recent forced
+        assert len(heads_set) == onehot.shape[1]                   # no cluster twice
+
+
+def test_static_eviction_keeps_most_attended_tokens():
+    """Hand-made layer: the window queries attend only to tokens 3 and 7 (and themselves)."""
+    d, T = 4, 10
+    k = np.zeros((1, T, d), np.float32)
+    k[0, 3] = [10, 0, 0, 0]
+    k[0, 7] = [0, 10, 0, 0]
+    q = np.zeros((1, T, d), np.float32)
+    q[0, -2:] = [1, 1, 0, 0]
+    policy = MPCache(budget=3, static_keep=3, dynamic=False, window_ratio=0.2)
+    scores, _ = policy.keep_scores(0, jnp.asarray(q), jnp.asarray(k), T, None)
+    keep = P.topk_mask(scores, 3)
+    assert set(np.flatnonzero(np.asarray(keep)).tolist()) == {3, 7, 0}  # tie at 0 -> lowest index
+
+
+def test_cross_layer_sharing_schedule():
+    policy = MPCache(share_group=2, share_from=2)
+    assert [policy.selects(l) for l in range(7)] == [True, True, True, False, True, False, True]
+    assert all(MPCache(share_group=1).selects(l) for l in range(7))
+
+
+def test_shared_layers_reuse_selection(tiny):
+    model, params, tokens = tiny
+    policy = make_policy("mpcache", 16, static_keep=64, **SMALL_LEVELS)
+    _, cache = _run(model, params, tokens, policy, 120, 1)
+    q = jnp.asarray(np.random.RandomState(2).randn(model.cfg.num_heads, model.cfg.head_dim),
+                    jnp.float32)
+    sel2 = policy.select(q, cache[2])
+    _, _, carry = policy.attend(2, q, jnp.zeros((2, 16)), jnp.zeros((2, 16)), cache[2], None)
+    _, _, carry3 = policy.attend(3, q, jnp.zeros((2, 16)), jnp.zeros((2, 16)), cache[3], carry)
+    np.testing.assert_array_equal(np.asarray(carry3), np.asarray(sel2))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(alpha=1.5), "alpha"),
+    (dict(levels=((16, 0.5), (32, None))), "coarse to fine"),
+    (dict(levels=((32, 0.5), (12, None))), "coarse to fine"),
+    (dict(levels=((32, 1.5), (16, None))), "keep ratio"),
+    (dict(levels=((32, 0.5), (16, 0.5))), "final budget"),
+    (dict(budget=0.0), "budget"),
+    (dict(budget=20), "always-selected"),
+    (dict(static_keep=2.0), "static_keep"),
+    (dict(similarity="cosine"), "similarity"),
+])
+def test_config_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        MPCache(**bad)
+
+
+def test_ratio_budget_too_small_for_forced_clusters(tiny):
+    model, params, tokens = tiny
+    policy = make_policy("mpcache", 0.05)   # 6 tokens of 120 < 2 clusters of 16
+    cache = model.init_cache(124)
+    _, cache, aux = model.prefill(params, tokens[:120], cache, return_queries=True)
+    with pytest.raises(ValueError, match="always-selected"):
+        compress_cache(policy, cache, aux, 4)
+
+
+def test_registry_rejects_unknown_names_and_options():
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("oracle")
+    with pytest.raises(ValueError, match="no option"):
+        make_policy("mpcache", 0.1, gamma=3)
+    assert "mpcache" in POLICY_NAMES and "full" in POLICY_NAMES
+
+
+def test_decode_compiles_once_per_policy(tiny):
+    from models import model as model_module
+    model, params, tokens = tiny
+    policy = make_policy("mpcache", 32, static_keep=64, **SMALL_LEVELS)
+    cache = model.init_cache(130)
+    _, cache, aux = model.prefill(params, tokens[:120], cache, return_queries=True)
+    cache = compress_cache(policy, cache, aux, 10)
+    logits, cache = model.decode_step(params, tokens[120], 120, cache, policy)
+    size = model_module._decode._cache_size()
+    for t in range(121, 126):
+        logits, cache = model.decode_step(params, tokens[t], t, cache, policy)
+    assert model_module._decode._cache_size() == size
