@@ -1,7 +1,7 @@
 """Flags of `python -m experiments.run` (one definition, shared by every experiment)."""
 from absl import flags
 
-EXPERIMENTS = ("generate",)
+EXPERIMENTS = ("generate", "accuracy")
 
 flags.DEFINE_enum("experiment", "generate", EXPERIMENTS, "Which experiment to run.")
 # Model
@@ -18,6 +18,22 @@ flags.DEFINE_bool("chat", True, "Wrap the prompt in the model's chat template wh
 flags.DEFINE_integer("max_new_tokens", 64, "Maximum number of generated tokens.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (with temperature > 0).")
+# Accuracy harness
+flags.DEFINE_enum("task", "passkey", ["passkey", "needle", "kv_retrieval", "ppl", "longbench_jsonl"],
+                  "Accuracy task.")
+flags.DEFINE_list("policies", ["full", "mpcache"], "Registered policy names to evaluate.")
+flags.DEFINE_string("variants", None,
+                    'JSON {"label": {"policy": NAME, option: value, ...}} of configured variants '
+                    "evaluated beside --policies (ablations).")
+flags.DEFINE_list("budgets", ["0.05", "0.1", "0.2"],
+                  "Budgets: ratios of the prompt in (0, 1] or token counts (> 1).")
+flags.DEFINE_integer("num_samples", 20, "Samples per task.")
+flags.DEFINE_list("lengths", ["1400"], "Prompt lengths in tokens (synthetic tasks, ppl prefix).")
+flags.DEFINE_list("depths", ["0.1", "0.3", "0.5", "0.7", "0.9"], "Needle depths (fractions).")
+flags.DEFINE_string("data_path", None, "Text file (ppl) or LongBench-format JSONL.")
+flags.DEFINE_enum("metric", None, ["contains", "exact", "qa_f1", "rouge_l"],
+                  "LongBench metric (default: by dataset name).")
+flags.DEFINE_integer("ppl_target_len", 64, "Tokens scored after each ppl prefix.")
 # Output
 flags.DEFINE_string("output_dir", None, "Directory for results.jsonl (and plots, summaries).")
 

@@ -15,6 +15,9 @@ def main(argv):
     if FLAGS.experiment == "generate":
         from experiments import generate
         return generate.run(FLAGS)
+    if FLAGS.experiment == "accuracy":
+        from experiments import accuracy
+        return accuracy.run(FLAGS)
     raise app.UsageError(f"unknown experiment {FLAGS.experiment!r}")
 
 

@@ -32,9 +32,6 @@ _ACTIVATIONS = {
     "swish": "silu",
 }
 
-# Non-parameter tensors some checkpoints carry (causal-mask buffers of old transformers).
-_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-
 
 # ------------------------------------------------------------------------------------------
 # configuration
@@ -217,7 +214,8 @@ def _locate(weights_path: str | os.PathLike) -> tuple[pathlib.Path, pathlib.Path
 
 
 class GPT2Tokenizer:
-    """A `tokenizer.json` behind the interface experiments use (encode/decode/stop_ids/chat).
+    """A `tokenizer.json` behind `models.tokenizer.ChatTokenizer`'s interface (encode, decode,
+    eos_id, stop_ids, apply_chat_template, encode_chat).
 
     GPT-2 has no chat template: the chat entry points join the message texts with blank lines
     and tokenize that plain text.
@@ -246,22 +244,25 @@ class GPT2Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages, system: str | None = None,
-                            add_generation_prompt: bool = True) -> str:
-        """Plain text: the system prompt and each message's content, separated by blank lines."""
-        del add_generation_prompt  # no template, no assistant header
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """Plain text: each message's content (a str counts as one user message), separated
+        by blank lines. There is no template, so no role markers and no generation prompt."""
+        del add_generation_prompt
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        parts = [system] if system else []
-        parts += [m["content"] for m in messages]
-        return "\n\n".join(parts)
+        for message in messages:
+            if "content" not in message:
+                raise ValueError(f"each message needs 'content', got {message!r}")
+        return "\n\n".join(m["content"] for m in messages)
 
-    def encode_chat(self, messages, system: str | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, system, add_generation_prompt))
+    def encode_chat(self, user_text: str, system: str | None = None) -> list[int]:
+        """Token ids of the system prompt (if any) and the user text as plain text."""
+        messages = [] if system is None else [{"role": "system", "content": system}]
+        messages.append({"role": "user", "content": user_text})
+        return self.encode(self.apply_chat_template(messages))
 
 
 def load(weights_path: str | os.PathLike, num_layers: int | None = None) -> LoadedModel:

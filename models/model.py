@@ -106,9 +106,12 @@ class Model:
         """
         tokens = self._check_tokens(tokens)
         T = tokens.shape[0]
-        capacity = cache[0].capacity
         if len(cache) != self.cfg.num_layers:
             raise ValueError(f"cache has {len(cache)} layers, the model has {self.cfg.num_layers}")
+        capacity = cache[0].capacity
+        if int(cache[0].length) != 0:
+            raise ValueError("prefill needs an empty cache (model.init_cache); this one already "
+                             f"holds {int(cache[0].length)} tokens")
         if T > capacity:
             raise ValueError(f"prompt of {T} tokens is longer than the cache capacity {capacity}; "
                              "create the cache with capacity >= prompt length + new tokens")
@@ -123,5 +126,11 @@ class Model:
         """
         if not isinstance(pos, jax.core.Tracer):
             self._check_position(pos)
+        if not isinstance(token, jax.core.Tracer):
+            self._check_tokens([int(np.asarray(token))])
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(cache)):
+            if policy.free_slots(cache) <= 0:
+                raise ValueError("the KV cache is full: allocate more room for new tokens "
+                                 "(capacity >= prompt length + max_new_tokens)")
         return _decode(self, params, jnp.asarray(token, jnp.int32), jnp.asarray(pos, jnp.int32),
                        cache, policy)

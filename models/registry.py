@@ -42,20 +42,24 @@ class LoadedModel:
 
 
 def _load_random(cfg: ModelConfig, seed: int, **_) -> LoadedModel:
+    """Random weights of the registered geometry (truncated to `num_layers` when given)."""
     model = Model(cfg)
     return LoadedModel(model, model.init_params(seed))
 
 
-def _load_gpt2(cfg: ModelConfig, seed: int, weights_path: str | None = None, **_) -> LoadedModel:
+def _load_gpt2(cfg: ModelConfig, seed: int, weights_path: str | None = None,
+               num_layers: int | None = None, **_) -> LoadedModel:
+    """HF-format weights when given (their own config.json decides the geometry), else random."""
     if not weights_path:
         return _load_random(cfg, seed)
     from models import hf_gpt2
-    return hf_gpt2.load(weights_path, num_layers=cfg.num_layers)
+    return hf_gpt2.load(weights_path, num_layers=num_layers)
 
 
-def _load_smollm2(cfg: ModelConfig, seed: int, cache_dir: str | None = None, **_) -> LoadedModel:
+def _load_smollm2(cfg: ModelConfig, seed: int, cache_dir: str | None = None,
+                  num_layers: int | None = None, **_) -> LoadedModel:
     from models import smollm2
-    return smollm2.load(cache_dir=cache_dir, num_layers=cfg.num_layers)
+    return smollm2.load(cache_dir=cache_dir, num_layers=num_layers)
 
 
 _REGISTRY: dict[str, tuple[ModelConfig, Callable[..., LoadedModel]]] = {
@@ -83,5 +87,9 @@ def get_config(name: str, num_layers: int | None = None) -> ModelConfig:
 def load(name: str, *, weights_path: str | None = None, cache_dir: str | None = None,
          seed: int = 0, num_layers: int | None = None) -> LoadedModel:
     """Configuration + parameters (+ tokenizer) for a registered model name."""
-    cfg = get_config(name, num_layers)
-    return _REGISTRY[name][1](cfg, seed=seed, weights_path=weights_path, cache_dir=cache_dir)
+    if name == "gpt2" and weights_path:
+        cfg = get_config(name)  # the checkpoint's config.json decides depth and width
+    else:
+        cfg = get_config(name, num_layers)
+    return _REGISTRY[name][1](cfg, seed=seed, weights_path=weights_path, cache_dir=cache_dir,
+                              num_layers=num_layers)

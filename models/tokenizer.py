@@ -97,7 +97,12 @@ class ChatTokenizer:
         path = pathlib.Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        reader = gguf.GGUFReader(path)
+        return cls.from_gguf_reader(gguf.GGUFReader(path))
+
+    @classmethod
+    def from_gguf_reader(cls, reader) -> "ChatTokenizer":
+        """Like `from_gguf`, from an open `gguf.GGUFReader` (saves a second metadata parse)."""
+        path = getattr(reader.data, "filename", "the GGUF file")
 
         def field(key: str, default=None, required: bool = False):
             entry = reader.fields.get(key)

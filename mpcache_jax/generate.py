@@ -56,22 +56,35 @@ class GenerationResult:
     step_logits: list[np.ndarray] | None = None  # logits that produced each token (if kept)
 
 
-def generate(model, params, prompt_ids: Sequence[int], *, max_new_tokens: int,
-             policy: AttentionPolicy = FULL, sampling: SamplingConfig = SamplingConfig(),
-             stop_ids: Sequence[int] = (), keep_logits: bool = False,
-             progress: bool = False) -> GenerationResult:
-    """Prefill the prompt, let `policy` compress the cache once, then decode token by token."""
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
-    prompt = list(prompt_ids)
-    T = len(prompt)
+def apply_policy(policy: AttentionPolicy, cache, aux: PrefillAux, max_new_tokens: int):
+    """The policy's decode cache from a dense prefill cache, never aliasing `cache`.
+
+    Decode steps donate their cache argument; a policy that keeps the dense cache as it is
+    (`full`) gets a copy, so the prefill cache can serve further policies.
+    """
+    out = compress_cache(policy, cache, aux, max_new_tokens)
+    in_leaves = {id(x) for x in jax.tree_util.tree_leaves(cache)}
+    if any(id(x) in in_leaves for x in jax.tree_util.tree_leaves(out)):
+        out = jax.tree_util.tree_map(jnp.copy, out)
+    return out
+
+
+def prefill_prompt(model, params, prompt_ids: Sequence[int], max_new_tokens: int,
+                   return_queries: bool = False):
+    """Prefill into a dense cache with room for `max_new_tokens` more -> (logits, cache, aux)."""
+    T = len(prompt_ids)
     if T + max_new_tokens > model.cfg.max_position:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceed the model's "
                          f"context of {model.cfg.max_position} positions")
     cache = model.init_cache(T + max_new_tokens)
-    logits, cache, aux = model.prefill(params, prompt, cache, return_queries=policy.needs_queries)
-    cache = compress_cache(policy, cache, aux, max_new_tokens)
+    return model.prefill(params, list(prompt_ids), cache, return_queries=return_queries)
 
+
+def decode_tokens(model, params, logits, cache, *, policy: AttentionPolicy, start_pos: int,
+                  max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+                  stop_ids: Sequence[int] = (), keep_logits: bool = False,
+                  progress: bool = False) -> GenerationResult:
+    """Sample up to `max_new_tokens` tokens; `logits` are the prompt's last-position logits."""
     key = jax.random.PRNGKey(sampling.seed)
     tokens: list[int] = []
     kept: list[np.ndarray] = []
@@ -91,6 +104,34 @@ def generate(model, params, prompt_ids: Sequence[int], *, max_new_tokens: int,
             stopped = True
             break
         if step + 1 < max_new_tokens:
-            logits, cache = model.decode_step(params, token, T + step, cache, policy)
-    return GenerationResult(tokens=tokens, prompt_len=T, stopped=stopped,
+            logits, cache = model.decode_step(params, token, start_pos + step, cache, policy)
+    return GenerationResult(tokens=tokens, prompt_len=start_pos, stopped=stopped,
                             step_logits=kept if keep_logits else None)
+
+
+def continuation_nll(model, params, logits, cache, *, policy: AttentionPolicy, start_pos: int,
+                     target_ids: Sequence[int]) -> np.ndarray:
+    """Teacher-forced negative log-likelihood [len(target_ids)] of a continuation."""
+    nll = []
+    for step, token in enumerate(target_ids):
+        row = np.asarray(logits, np.float64)
+        row = row - row.max()
+        nll.append(float(np.log(np.exp(row).sum()) - row[int(token)]))
+        if step + 1 < len(target_ids):
+            logits, cache = model.decode_step(params, int(token), start_pos + step, cache, policy)
+    return np.asarray(nll)
+
+
+def generate(model, params, prompt_ids: Sequence[int], *, max_new_tokens: int,
+             policy: AttentionPolicy = FULL, sampling: SamplingConfig = SamplingConfig(),
+             stop_ids: Sequence[int] = (), keep_logits: bool = False,
+             progress: bool = False) -> GenerationResult:
+    """Prefill the prompt, let `policy` compress the cache once, then decode token by token."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
+    logits, cache, aux = prefill_prompt(model, params, prompt_ids, max_new_tokens,
+                                        return_queries=policy.needs_queries)
+    cache = apply_policy(policy, cache, aux, max_new_tokens)
+    return decode_tokens(model, params, logits, cache, policy=policy, start_pos=len(prompt_ids),
+                         max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
+                         keep_logits=keep_logits, progress=progress)

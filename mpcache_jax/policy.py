@@ -53,6 +53,11 @@ class AttentionPolicy:
                     "requested; allocate capacity >= prompt length + max_new_tokens")
         return cache
 
+    def free_slots(self, cache: KVCache) -> int:
+        """How many more tokens the decode cache can take (host-side check before a step)."""
+        layer = cache[0]
+        return int(layer.capacity - layer.length)
+
     def init_carry(self) -> Any:
         """Cross-layer state at the start of a decode step (None: nothing shared yet)."""
         return None

@@ -48,8 +48,9 @@ def prompt_kv(layer: LayerKV, prompt_len: int) -> tuple[jax.Array, jax.Array]:
     return layer.k[:, :prompt_len], layer.v[:, :prompt_len]
 
 
-def window_attention_mass(q: jax.Array, k: jax.Array, window: int) -> jax.Array:
-    """Attention the last `window` prompt queries give each key, summed over those queries.
+def window_attention_mass(q: jax.Array, k: jax.Array, window: int, reduce: str = "sum"
+                          ) -> jax.Array:
+    """Attention the last `window` prompt queries give each key, summed (or maxed) over them.
 
     q: [H, T, d]; k: [H_kv, T, d] -> [H_kv, G, T] (causal within the prompt).
     """
@@ -61,7 +62,7 @@ def window_attention_mass(q: jax.Array, k: jax.Array, window: int) -> jax.Array:
     positions = np.arange(T - window, T)[:, None]
     causal = (np.arange(T)[None, :] <= positions).astype(np.float32)
     probs = attention.masked_softmax(logits, causal)
-    return jnp.sum(probs, axis=2)
+    return jnp.max(probs, axis=2) if reduce == "max" else jnp.sum(probs, axis=2)
 
 
 def keep_by_mask(k: jax.Array, v: jax.Array, keep: jax.Array, count: int, capacity: int):
@@ -159,6 +160,10 @@ class PromptEvictionPolicy(AttentionPolicy):
 
     def layer_extras(self, kept_k, valid) -> Any:
         return None
+
+    def free_slots(self, cache) -> int:
+        new = cache[0].new
+        return int(new.capacity - new.length)
 
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
         new = append_token(state.new, k_new, v_new)

@@ -52,6 +52,9 @@ class MPCache(PromptEvictionPolicy):
     static: bool = True
     dynamic: bool = True
     window_ratio: float = 0.2
+    static_reduce: str = "sum"
+    static_sinks: int = 16
+    static_recent: int = 32
     static_per_head: bool = False
     levels: tuple = ((32, 0.5), (16, None))
     similarity: str = "alpha"
@@ -68,6 +71,11 @@ class MPCache(PromptEvictionPolicy):
         if self.static_keep is not None and not _is_ratio_or_count(self.static_keep):
             raise ValueError(f"static_keep={self.static_keep!r} must be a ratio in (0, 1], a "
                              "token count >= 1, or None for the default")
+        if self.static_reduce not in ("sum", "max"):
+            raise ValueError(f"static_reduce={self.static_reduce!r}; use 'sum' (accumulated "
+                             "attention, as the paper) or 'max' (strongest single vote)")
+        if self.static_sinks < 0 or self.static_recent < 0:
+            raise ValueError("static_sinks and static_recent must be >= 0")
         if not 0.0 < self.window_ratio <= 1.0:
             raise ValueError(f"window_ratio={self.window_ratio} must be in (0, 1]")
         if not self.levels:
@@ -155,9 +163,20 @@ class MPCache(PromptEvictionPolicy):
         if self.share_static and not self.selects(layer) and carry is not None:
             return carry, carry
         window = max(1, math.ceil(self.window_ratio * prompt_len))
-        mass = jnp.sum(window_attention_mass(q, k, window), axis=1)   # [H_kv, T]
+        mass = jnp.sum(window_attention_mass(q, k, window, self.static_reduce), axis=1)  # [H_kv, T]
         scores = mass if self.static_per_head else jnp.sum(mass, axis=0)
         return scores, scores
+
+    def forced_keep(self, prompt_len, count):
+        """The first `static_sinks` and last `static_recent` prompt tokens always survive
+        static eviction (the static counterpart of the always-selected first/last clusters)."""
+        forced = np.zeros(prompt_len, np.float32)
+        sinks = min(self.static_sinks, count)
+        recent = min(self.static_recent, count - sinks)
+        forced[:sinks] = 1.0
+        if recent:
+            forced[prompt_len - recent:] = 1.0
+        return forced
 
     def layer_extras(self, kept_k, valid):
         if not self.dynamic:

@@ -1,0 +1,213 @@
+"""`--experiment=accuracy`: every policy x budget on the same prefill of every sample.
+
+Writes DIR/results.jsonl (one record per task, policy, budget: mean score, n, config, commit),
+DIR/samples.jsonl (one record per sample and policy/budget), DIR/summary.csv and plots
+(score_vs_budget.png; needle_heatmap.png for the needle task).
+"""
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import math
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from experiments import common, metrics, tasks
+from mpcache_jax.generate import (apply_policy, continuation_nll, decode_tokens, prefill_prompt)
+from mpcache_jax.policies import make_policy
+from models import registry
+
+
+def parse_variants(FLAGS) -> list[tuple[str, str, dict]]:
+    """(label, registry name, options) for every policy to evaluate."""
+    variants = [(name, name, {}) for name in FLAGS.policies]
+    if FLAGS.variants:
+        try:
+            extra = json.loads(FLAGS.variants)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"--variants is not valid JSON ({err}); expected "
+                             '{"label": {"policy": "mpcache", "alpha": 0.5}, ...}')
+        for label, spec in extra.items():
+            spec = dict(spec)
+            if "policy" not in spec:
+                raise SystemExit(f"--variants entry {label!r} needs a 'policy' field")
+            name = spec.pop("policy")
+            if "levels" in spec:  # JSON lists -> hashable tuples
+                spec["levels"] = tuple((s, k) for s, k in spec["levels"])
+            variants.append((label, name, spec))
+    return variants
+
+
+def build_policies(FLAGS):
+    """[(label, budget, policy)], validated before any model work starts."""
+    out = []
+    for label, name, options in parse_variants(FLAGS):
+        if name == "full":
+            out.append((label, 1.0, make_policy("full")))
+            continue
+        for budget in FLAGS.budgets:
+            b = float(budget)
+            b = int(b) if b > 1 else b
+            out.append((label, b, make_policy(name, b, **options)))
+    return out
+
+
+def make_samples(FLAGS, tokenizer):
+    lengths = [int(x) for x in FLAGS.lengths]
+    depths = [float(x) for x in FLAGS.depths]
+    common_args = dict(num_samples=FLAGS.num_samples, seed=FLAGS.seed)
+    if FLAGS.task == "passkey":
+        return list(tasks.passkey(tokenizer, lengths=lengths, depths=depths, **common_args))
+    if FLAGS.task == "needle":
+        return list(tasks.needle(tokenizer, lengths=lengths, depths=depths, **common_args))
+    if FLAGS.task == "kv_retrieval":
+        return list(tasks.kv_retrieval(tokenizer, lengths=lengths, **common_args))
+    if FLAGS.task == "ppl":
+        return list(tasks.perplexity_chunks(tokenizer, data_path=FLAGS.data_path, lengths=lengths,
+                                            target_len=FLAGS.ppl_target_len, **common_args))
+    return list(tasks.longbench_jsonl(tokenizer, data_path=FLAGS.data_path,
+                                      num_samples=FLAGS.num_samples, max_length=max(lengths),
+                                      metric=FLAGS.metric))
+
+
+def evaluate_sample(loaded, sample, policies, FLAGS):
+    """All policies on one prefill of the sample -> list of per-sample records."""
+    model, params, tok = loaded.model, loaded.params, loaded.tokenizer
+    is_ppl = sample.metric == "ppl"
+    steps = len(sample.target_ids) if is_ppl else FLAGS.max_new_tokens
+    need_queries = any(p.needs_queries for _, _, p in policies)
+    logits, dense, aux = prefill_prompt(model, params, sample.prompt_ids, steps, need_queries)
+    T = len(sample.prompt_ids)
+    records = []
+    for label, budget, policy in policies:
+        cache = apply_policy(policy, dense, aux, steps)
+        start = time.perf_counter()
+        if is_ppl:
+            nll = continuation_nll(model, params, logits, cache, policy=policy, start_pos=T,
+                                   target_ids=sample.target_ids)
+            score, text = float(math.exp(nll.mean())), ""
+        else:
+            result = decode_tokens(model, params, logits, cache, policy=policy, start_pos=T,
+                                   max_new_tokens=steps, stop_ids=tok.stop_ids)
+            text = tok.decode(result.tokens)
+            score = metrics.score(sample.metric, text, sample.answers)
+        records.append({
+            "task": sample.task, "sample_id": sample.sample_id, "policy": label,
+            "budget": budget, "score": score, "metric": sample.metric, "prompt_tokens": T,
+            "answers": sample.answers, "output": text, "decode_s": round(time.perf_counter() - start, 3),
+            **sample.meta,
+        })
+    return records
+
+
+def aggregate(sample_records, FLAGS):
+    groups = collections.defaultdict(list)
+    for r in sample_records:
+        groups[(r["task"], r["policy"], r["budget"])].append(r["score"])
+    config = common.flag_values(FLAGS)
+    commit = common.git_commit()
+    return [{"task": task, "policy": policy, "budget": budget,
+             "score": float(np.mean(scores)), "n": len(scores), "model": FLAGS.model,
+             "git_commit": commit, "config": config}
+            for (task, policy, budget), scores in groups.items()]
+
+
+def write_summary(results, path):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["task", "policy", "budget", "score", "n"])
+        for r in sorted(results, key=lambda r: (r["task"], r["policy"], r["budget"])):
+            writer.writerow([r["task"], r["policy"], r["budget"], f"{r['score']:.4f}", r["n"]])
+
+
+def plot_score_vs_budget(results, path, ylabel):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    by_policy = collections.defaultdict(list)
+    for r in results:
+        by_policy[r["policy"]].append((r["budget"], r["score"]))
+    for policy, points in sorted(by_policy.items()):
+        points.sort()
+        if policy == "full":
+            ax.axhline(points[0][1], color="black", linestyle="--", label="full")
+            continue
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+    ax.set_xlabel("budget (prompt tokens attended, ratio or count)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{results[0]['task']} ({results[0]['model']}, n={results[0]['n']})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_needle_heatmaps(sample_records, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    combos = sorted({(r["policy"], r["budget"]) for r in sample_records})
+    lengths = sorted({r["length"] for r in sample_records})
+    depths = sorted({r["depth"] for r in sample_records})
+    cols = min(4, len(combos))
+    rows = math.ceil(len(combos) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
+    for ax, (policy, budget) in zip(axes.flat, combos):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for i, depth in enumerate(depths):
+            for j, length in enumerate(lengths):
+                scores = [r["score"] for r in sample_records if r["policy"] == policy and
+                          r["budget"] == budget and r["depth"] == depth and r["length"] == length]
+                if scores:
+                    grid[i, j] = np.mean(scores)
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_title(f"{policy} @ {budget}", fontsize=8)
+        ax.set_xlabel("prompt tokens", fontsize=7)
+        ax.set_ylabel("needle depth", fontsize=7)
+    for ax in list(axes.flat)[len(combos):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(FLAGS) -> None:
+    policies = build_policies(FLAGS)
+    loaded = registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
+                           seed=FLAGS.seed, num_layers=FLAGS.num_layers)
+    if loaded.tokenizer is None:
+        raise SystemExit(f"model {FLAGS.model!r} has no tokenizer; accuracy runs need a real model")
+    samples = make_samples(FLAGS, loaded.tokenizer)
+    out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
+    samples_path = out / "samples.jsonl"
+    samples_path.write_text("")
+    all_records = []
+    bar = tqdm(samples, desc=f"{FLAGS.task}", unit="sample")
+    for sample in bar:
+        records = evaluate_sample(loaded, sample, policies, FLAGS)
+        common.write_jsonl(samples_path, records, append=True)
+        all_records.extend(records)
+        means = collections.defaultdict(list)
+        for r in all_records:
+            means[f"{r['policy']}@{r['budget']}"].append(r["score"])
+        bar.set_postfix({k: f"{np.mean(v):.2f}" for k, v in list(means.items())[:4]})
+    results = aggregate(all_records, FLAGS)
+    common.write_jsonl(out / "results.jsonl", results)
+    write_summary(results, out / "summary.csv")
+    ylabel = "perplexity (lower is better)" if FLAGS.task == "ppl" else "score"
+    plot_score_vs_budget(results, out / "score_vs_budget.png", ylabel)
+    if FLAGS.task == "needle":
+        plot_needle_heatmaps(all_records, out / "needle_heatmap.png")
+    print(f"\n{'policy':<24}{'budget':>8}{'score':>10}{'n':>5}")
+    for r in sorted(results, key=lambda r: (r["policy"], r["budget"])):
+        print(f"{r['policy']:<24}{r['budget']:>8}{r['score']:>10.4f}{r['n']:>5}")
+    print(f"wrote {out}/results.jsonl, samples.jsonl, summary.csv, score_vs_budget.png")

@@ -1,0 +1,219 @@
+"""Accuracy tasks: deterministic synthetic retrieval prompts, perplexity chunks, LongBench JSONL.
+
+Synthetic prompts are assembled at the token level to an exact length, so every sample of one
+length reuses one compiled prefill and one compiled decode step per policy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import random
+import re
+from typing import Iterator
+
+DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
+TASKS = ("passkey", "needle", "kv_retrieval", "ppl", "longbench_jsonl")
+
+PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+                  "There and back again.")
+
+# (needle sentence, question, answer phrase the reply must contain)
+NEEDLES = [
+    ("The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
+     "What is the best thing to do in San Francisco?", "Dolores Park"),
+    ("The secret ingredient of the village soup is smoked paprika from the hill farm.",
+     "What is the secret ingredient of the village soup?", "paprika"),
+    ("The lighthouse keeper named his grey cat Captain Biscuit.",
+     "What did the lighthouse keeper name his cat?", "Biscuit"),
+    ("The old clock tower in the harbour town is painted bright orange every spring.",
+     "What colour is the old clock tower in the harbour town painted?", "orange"),
+    ("The winning apple at the county fair was a variety called Golden Lantern.",
+     "What was the winning apple variety at the county fair?", "Golden Lantern"),
+]
+
+KV_SUBJECTS = ["red door", "blue tower", "green garden", "silver bridge", "old mill",
+               "north gate", "glass house", "stone well", "yellow barn", "east tunnel",
+               "iron fence", "white chapel"]
+
+
+@dataclasses.dataclass
+class Sample:
+    """One evaluation item. For ppl, `prompt_ids` is the prefix and `target_ids` the text to score."""
+
+    task: str
+    sample_id: str
+    prompt_ids: list[int]
+    answers: list[str] = dataclasses.field(default_factory=list)
+    metric: str = "contains"
+    target_ids: list[int] | None = None
+    meta: dict = dataclasses.field(default_factory=dict)
+
+
+def haystack_paragraphs() -> list[str]:
+    text = (DATA_DIR / "haystack.txt").read_text()
+    return [p.strip().replace("\n", " ") for p in text.split("\n\n") if p.strip()]
+
+
+def _sentences(text: str) -> list[str]:
+    return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
+
+
+class PromptBuilder:
+    """Builds chat prompts `<template prefix> intro + haystack(+inserts) + question <suffix>`
+    with the haystack cut so the whole prompt has exactly `length` tokens."""
+
+    PLACEHOLDER = "\u0000HAYSTACK\u0000"
+
+    def __init__(self, tokenizer, chat: bool = True):
+        self.tok = tokenizer
+        if chat:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": self.PLACEHOLDER}], add_generation_prompt=True)
+            head, tail = rendered.split(self.PLACEHOLDER)
+        else:
+            head, tail = "", "\n"
+        self.head, self.tail = head, tail
+
+    def build(self, intro: str, filler_sentences: list[str], inserts: list[tuple[float, str]],
+              question: str, length: int, answer_prefix: str = "") -> list[int]:
+        head = self.tok.encode(self.head + intro + "\n\n")
+        tail = self.tok.encode("\n\n" + question + self.tail + answer_prefix)
+        insert_ids = [(depth, self.tok.encode(" " + text)) for depth, text in inserts]
+        budget = length - len(head) - len(tail) - sum(len(ids) for _, ids in insert_ids)
+        if budget < 16:
+            raise ValueError(f"length={length} tokens is too short for this task's prompt")
+        hay: list[list[int]] = []
+        total, i = 0, 0
+        while total < budget:
+            ids = self.tok.encode(" " + filler_sentences[i % len(filler_sentences)])
+            hay.append(ids)
+            total += len(ids)
+            i += 1
+        flat_cut = budget
+        # Trim the last sentence so the haystack has exactly `budget` tokens.
+        overflow = total - flat_cut
+        if overflow:
+            hay[-1] = hay[-1][: len(hay[-1]) - overflow]
+        # Insert each fact between sentences at its depth (fraction of the haystack).
+        for depth, ids in sorted(insert_ids, key=lambda x: -x[0]):
+            hay.insert(round(depth * len(hay)), ids)
+        tokens = head + [t for sent in hay for t in sent] + tail
+        assert len(tokens) == length, (len(tokens), length)
+        return tokens
+
+
+def passkey(tokenizer, *, num_samples: int, lengths: list[int], depths: list[float], seed: int,
+            chat: bool = True) -> Iterator[Sample]:
+    builder = PromptBuilder(tokenizer, chat)
+    rng = random.Random(seed)
+    filler = _sentences(PASSKEY_FILLER)
+    for i in range(num_samples):
+        length = lengths[i % len(lengths)]
+        depth = depths[(i // len(lengths)) % len(depths)]
+        key = str(rng.randint(10000, 99999))
+        ids = builder.build(
+            "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+            "I will quiz you about the pass key.", filler,
+            [(depth, f"The pass key is {key}. Remember it. {key} is the pass key.")],
+            "What is the pass key?", length)
+        yield Sample("passkey", f"passkey-{i}", ids, [key], "contains",
+                     meta={"length": length, "depth": depth})
+
+
+def needle(tokenizer, *, num_samples: int, lengths: list[int], depths: list[float], seed: int,
+           chat: bool = True) -> Iterator[Sample]:
+    """Needle in natural text. Samples sweep the length x depth grid (for the heatmap)."""
+    builder = PromptBuilder(tokenizer, chat)
+    rng = random.Random(seed)
+    paragraphs = haystack_paragraphs()
+    grid = [(length, depth) for length in lengths for depth in depths]
+    for i in range(num_samples):
+        length, depth = grid[i % len(grid)]
+        fact, question, answer = NEEDLES[rng.randrange(len(NEEDLES))]
+        start = rng.randrange(len(paragraphs))
+        sentences = [s for p in paragraphs[start:] + paragraphs[:start] for s in _sentences(p)]
+        ids = builder.build("Read the following text carefully and answer the question at the end.",
+                            sentences, [(depth, fact)], question, length)
+        yield Sample("needle", f"needle-{i}", ids, [answer], "contains",
+                     meta={"length": length, "depth": depth})
+
+
+def kv_retrieval(tokenizer, *, num_samples: int, lengths: list[int], num_facts: int = 6,
+                 seed: int, chat: bool = True) -> Iterator[Sample]:
+    """Several 'access number' facts scattered in natural text; one is asked for."""
+    builder = PromptBuilder(tokenizer, chat)
+    rng = random.Random(seed)
+    paragraphs = haystack_paragraphs()
+    sentences = [s for p in paragraphs for s in _sentences(p)]
+    for i in range(num_samples):
+        length = lengths[i % len(lengths)]
+        subjects = rng.sample(KV_SUBJECTS, num_facts)
+        values = [str(rng.randint(1000, 9999)) for _ in subjects]
+        depths = sorted(rng.uniform(0.05, 0.95) for _ in subjects)
+        inserts = [(d, f"The access number of the {s} is {v}.")
+                   for d, s, v in zip(depths, subjects, values)]
+        ask = rng.randrange(num_facts)
+        ids = builder.build("Several access numbers are mentioned in the text below. Read it and "
+                            "answer the question at the end.", sentences, inserts,
+                            f"What is the access number of the {subjects[ask]}?", length)
+        yield Sample("kv_retrieval", f"kv-{i}", ids, [values[ask]], "contains",
+                     meta={"length": length, "depth": depths[ask], "num_facts": num_facts})
+
+
+def perplexity_chunks(tokenizer, *, data_path: str | None, num_samples: int, lengths: list[int],
+                      target_len: int, seed: int) -> Iterator[Sample]:
+    """Consecutive chunks of a text file: the policy compresses a prefix of `length` tokens and
+    the next `target_len` tokens are scored teacher-forced."""
+    path = pathlib.Path(data_path) if data_path else DATA_DIR / "haystack.txt"
+    if not path.is_file():
+        raise FileNotFoundError(f"--data_path={path} is not a readable text file")
+    ids = tokenizer.encode(path.read_text())
+    for i in range(num_samples):
+        length = lengths[i % len(lengths)]
+        need = length + target_len
+        if len(ids) < need:
+            ids = ids * (need // max(1, len(ids)) + 1)  # short files are repeated
+        start = (i * 997 + seed * 131) % max(1, len(ids) - need + 1)
+        chunk = ids[start:start + need]
+        yield Sample("ppl", f"ppl-{i}", chunk[:length], metric="ppl", target_ids=chunk[length:],
+                     meta={"length": length, "offset": start, "source": str(path)})
+
+
+# LongBench's metric per dataset (its own mapping, simplified to the metrics we implement).
+LONGBENCH_METRICS = {
+    "narrativeqa": "qa_f1", "qasper": "qa_f1", "multifieldqa_en": "qa_f1", "hotpotqa": "qa_f1",
+    "2wikimqa": "qa_f1", "musique": "qa_f1", "triviaqa": "qa_f1", "gov_report": "rouge_l",
+    "qmsum": "rouge_l", "multi_news": "rouge_l", "samsum": "rouge_l", "trec": "contains",
+    "passage_retrieval_en": "contains", "passage_count": "exact", "lcc": "rouge_l",
+    "repobench-p": "rouge_l",
+}
+
+
+def longbench_jsonl(tokenizer, *, data_path: str, num_samples: int, max_length: int,
+                    metric: str | None, chat: bool = True) -> Iterator[Sample]:
+    """LongBench-format JSONL (context, input, answers[, dataset, length, _id]). Contexts longer
+    than `max_length` tokens are cut in the middle, as LongBench does."""
+    path = pathlib.Path(data_path or "")
+    if not data_path or not path.is_file():
+        raise FileNotFoundError(f"--data_path={data_path!r}: give a LongBench-format .jsonl file")
+    with open(path) as f:
+        for line_no, line in enumerate(f):
+            if line_no >= num_samples:
+                break
+            record = json.loads(line)
+            for field in ("context", "input", "answers"):
+                if field not in record:
+                    raise ValueError(f"{path}:{line_no + 1} has no {field!r} field")
+            user = f"{record['context']}\n\nQuestion: {record['input']}\nAnswer:"
+            text = tokenizer.apply_chat_template([{"role": "user", "content": user}],
+                                                 add_generation_prompt=True) if chat else user
+            ids = tokenizer.encode(text)
+            if len(ids) > max_length:
+                half = max_length // 2
+                ids = ids[:half] + ids[-(max_length - half):]
+            answers = record["answers"] if isinstance(record["answers"], list) else [record["answers"]]
+            chosen = metric or LONGBENCH_METRICS.get(record.get("dataset", ""), "qa_f1")
+            yield Sample("longbench_jsonl", str(record.get("_id", line_no)), ids,
+                         [str(a) for a in answers], chosen,
+                         meta={"dataset": record.get("dataset", ""), "length": len(ids)})
