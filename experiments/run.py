@@ -12,6 +12,15 @@ from experiments.flags_def import FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        return dispatch()
+    except (ValueError, FileNotFoundError) as err:
+        # Bad flags, configs or files: say what is wrong without a traceback.
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def dispatch():
     if FLAGS.experiment == "generate":
         from experiments import generate
         return generate.run(FLAGS)
