@@ -138,3 +138,44 @@ def test_decode_compiles_once_per_policy(tiny):
     for t in range(121, 126):
         logits, cache = model.decode_step(params, tokens[t], t, cache, policy)
     assert model_module._decode._cache_size() == size
+
+
+@pytest.mark.parametrize("levels", [((4, None),), ((8, 0.5), (4, None))])
+def test_selection_matches_brute_force(levels):
+    """select() = top clusters by the MP bound computed directly (single level), and the
+    hierarchical version only picks children of the best coarse clusters."""
+    rng = np.random.RandomState(5)
+    Hkv, G, d, kept = 2, 2, 8, 64
+    policy = MPCache(budget=24, static_keep=kept, similarity="mp", levels=levels)
+    k = jnp.asarray(rng.randn(Hkv, kept, d), jnp.float32)
+    valid = jnp.ones((Hkv, kept), jnp.float32)
+    from mpcache_jax.cache import empty_layer
+    state = PrunedLayer(k, k, valid, empty_layer(Hkv, 4, d), policy.layer_extras(k, valid),
+                        prompt_len=kept, kept=kept)
+    q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
+    chosen = np.asarray(policy.select(q, state)).argmax(-1)       # [Hkv, k] finest cluster ids
+    s = levels[-1][0]
+    kc = np.asarray(k).reshape(Hkv, kept // s, s, d)
+    qg = np.asarray(q).reshape(Hkv, G, d)
+    bound = np.maximum(qg[:, :, None, :] * kc.max(2)[:, None], qg[:, :, None, :] * kc.min(2)[:, None])
+    bound = bound.sum(axis=(1, 3))                                   # [Hkv, C]
+    n = 24 // s
+    for h in range(Hkv):
+        if len(levels) == 1:
+            forced = {0, kept // s - 1}
+            rest = [c for c in np.argsort(-bound[h], kind="stable") if c not in forced]
+            assert set(chosen[h].tolist()) == forced | set(rest[: n - 2])
+        else:
+            s0 = levels[0][0]
+            kc0 = np.asarray(k).reshape(Hkv, kept // s0, s0, d)
+            b0 = np.maximum(qg[:, :, None, :] * kc0.max(2)[:, None],
+                            qg[:, :, None, :] * kc0.min(2)[:, None]).sum(axis=(1, 3))
+            counts = policy.level_counts(kept, 24)
+            forced0 = {0, kept // s0 - 1}
+            rest0 = [c for c in np.argsort(-b0[h], kind="stable") if c not in forced0]
+            coarse = forced0 | set(rest0[: counts[0] - 2])
+            r = s0 // s
+            children = [c for c in range(kept // s) if c // r in coarse]
+            forced1 = {0, kept // s - 1}
+            rest1 = [c for c in sorted(children, key=lambda c: (-bound[h, c], c)) if c not in forced1]
+            assert set(chosen[h].tolist()) == forced1 | set(rest1[: counts[1] - 2])
