@@ -1,4 +1,4 @@
-"""Helpers shared by experiments: result files, provenance, model loading from flags."""
+"""Helpers shared by experiments: result files and provenance (git commit, flag values)."""
 from __future__ import annotations
 
 import json
