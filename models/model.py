@@ -64,7 +64,7 @@ class Model:
         """Random parameters (normal(0.02) kernels, unit norms), LM head tied if configured."""
         params = jax.jit(self.module.init)(jax.random.PRNGKey(seed),
                                            jnp.zeros((1,), jnp.int32))["params"]
-        params = jax.tree_util.tree_map(lambda x: x, dict(params))
+        params = dict(params)
         return tie_lm_head(params) if self.cfg.tie_embeddings else params
 
     def init_cache(self, capacity: int, dtype=jnp.float32) -> KVCache:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mpcache_jax import attention
+from mpcache_jax.cache import fill_prefix
 from mpcache_jax.policy import AttentionPolicy
 from models.config import ModelConfig
 
@@ -178,8 +179,6 @@ class DecoderLM(nn.Module):
 
         Returns (logits [T, V] or [V], filled cache, per-layer queries [H, T, d] or None).
         """
-        from mpcache_jax.cache import fill_prefix
-
         positions = jnp.arange(tokens.shape[0])
         x = self._embed(tokens, positions)
         new_cache, queries = [], []

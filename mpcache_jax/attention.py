@@ -32,19 +32,16 @@ def masked_softmax(scores: jax.Array, valid: jax.Array, axis: int = -1) -> jax.A
     return weights / jnp.where(denom > 0, denom, 1.0)
 
 
-def _group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
-    """[H, ..., d] -> [H_kv, G, ..., d] with G = H // H_kv consecutive query heads per KV head."""
-    heads = q.shape[0]
-    return q.reshape((num_kv_heads, heads // num_kv_heads) + q.shape[1:])
+def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """Scaled dot products q . k / sqrt(d), with the query heads grouped by KV head (GQA).
 
-
-def decode_scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    """Scaled dot products of one query per head with a key buffer.
-
-    q: [H, d], k: [H_kv, S, d] -> [H_kv, G, S].
+    q: [H, d] or [H, T, d]; k: [H_kv, S, d] -> [H_kv, G, S] or [H_kv, G, T, S], where
+    G = H // H_kv consecutive query heads share a KV head.
     """
-    qg = _group_queries(q, k.shape[0])
-    return jnp.einsum("kgd,ksd->kgs", qg, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    Hkv = k.shape[0]
+    qg = q.reshape((Hkv, q.shape[0] // Hkv) + q.shape[1:])
+    scale = jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    return jnp.einsum("kg...d,ksd->kg...s", qg, k) / scale
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
@@ -53,7 +50,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array)
     q: [H, d]; k, v: [H_kv, S, d]; valid: [S] or [H_kv, S] (1 = slot holds a token to attend to).
     Returns [H, d].
     """
-    scores = decode_scores(q, k)
+    scores = grouped_scores(q, k)
     if valid.ndim == 1:
         valid = valid[None, None, :]
     else:
@@ -69,8 +66,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Arra
     q: [H, T, d]; k, v: [H_kv, T, d]. Returns (out [H, T, d], probs [H_kv, G, T, T]).
     """
     T = q.shape[1]
-    qg = _group_queries(q, k.shape[0])
-    scores = jnp.einsum("kgtd,ksd->kgts", qg, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    scores = grouped_scores(q, k)
     causal = jnp.tril(jnp.ones((T, T), dtype=q.dtype))
     probs = masked_softmax(scores, causal)
     out = jnp.einsum("kgts,ksd->kgtd", probs, v)

@@ -209,23 +209,27 @@ def test_tokenizer_json_is_wrapped(tmp_path):
 
 
 # ----- errors -----------------------------------------------------------------------------
-def test_missing_tensor_is_named(checkpoint):
-    hf, path, _, _ = checkpoint
-    cfg = hf_gpt2.load(path).model.cfg
-    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+def _drop_c_fc(state):
     del state["transformer.h.1.mlp.c_fc.weight"]
-    with pytest.raises(ValueError, match=r"missing tensor 'transformer\.h\.1\.mlp\.c_fc\.weight' "
-                                         r"\(expected shape \(64, 256\)\)"):
-        hf_gpt2.params_from_state_dict(state, cfg)
 
 
-def test_wrong_shape_is_named(checkpoint):
+def _transpose_c_attn(state):
+    name = "transformer.h.0.attn.c_attn.weight"
+    state[name] = state[name].T
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (_drop_c_fc, r"missing tensor 'transformer\.h\.1\.mlp\.c_fc\.weight' "
+                 r"\(expected shape \(64, 256\)\)"),
+    (_transpose_c_attn, r"'transformer\.h\.0\.attn\.c_attn\.weight' has shape "
+                        r"\(192, 64\), expected \(64, 192\)"),
+])
+def test_bad_tensor_is_named(checkpoint, corrupt, message):
     hf, path, _, _ = checkpoint
     cfg = hf_gpt2.load(path).model.cfg
     state = {k: v.numpy() for k, v in hf.state_dict().items()}
-    state["transformer.h.0.attn.c_attn.weight"] = state["transformer.h.0.attn.c_attn.weight"].T
-    with pytest.raises(ValueError, match=r"'transformer\.h\.0\.attn\.c_attn\.weight' has shape "
-                                         r"\(192, 64\), expected \(64, 192\)"):
+    corrupt(state)
+    with pytest.raises(ValueError, match=message):
         hf_gpt2.params_from_state_dict(state, cfg)
 
 

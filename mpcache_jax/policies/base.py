@@ -8,7 +8,6 @@ plus every token generated since prefill.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.struct
@@ -55,10 +54,7 @@ def window_attention_mass(q: jax.Array, k: jax.Array, window: int, reduce: str =
     q: [H, T, d]; k: [H_kv, T, d] -> [H_kv, G, T] (causal within the prompt).
     """
     T = k.shape[1]
-    qw = q[:, T - window:]
-    Hkv = k.shape[0]
-    qg = qw.reshape(Hkv, q.shape[0] // Hkv, window, q.shape[-1])
-    logits = jnp.einsum("kgwd,ktd->kgwt", qg, k) / math.sqrt(q.shape[-1])
+    logits = attention.grouped_scores(q[:, T - window:], k)          # [H_kv, G, W, T]
     positions = np.arange(T - window, T)[:, None]
     causal = (np.arange(T)[None, :] <= positions).astype(np.float32)
     probs = attention.masked_softmax(logits, causal)
