@@ -43,21 +43,41 @@ def parse_variants(FLAGS) -> list[tuple[str, str, dict]]:
 
 def build_policies(FLAGS):
     """[(label, budget, policy)], validated before any model work starts."""
+    budgets = [parse_budget(b) for b in FLAGS.budgets]
     out = []
     for label, name, options in parse_variants(FLAGS):
         if name == "full":
             out.append((label, 1.0, make_policy("full")))
             continue
-        for budget in FLAGS.budgets:
-            b = float(budget)
-            b = int(b) if b > 1 else b
-            out.append((label, b, make_policy(name, b, **options)))
+        for budget in budgets:
+            out.append((label, budget, make_policy(name, budget, **options)))
     return out
 
 
-def make_samples(FLAGS, tokenizer):
-    lengths = [int(x) for x in FLAGS.lengths]
-    depths = [float(x) for x in FLAGS.depths]
+def parse_budget(text: str) -> float | int:
+    """'0.1' -> ratio 0.1 of the prompt; '128' -> 128 tokens."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--budgets entry {text!r} is not a number; give ratios in (0, 1] or "
+                         "token counts such as 128") from None
+    if value <= 1.0:
+        return value
+    if not value.is_integer():
+        raise ValueError(f"--budgets entry {text!r}: a budget above 1 is a token count and must "
+                         "be a whole number")
+    return int(value)
+
+
+def parse_numbers(flag: str, values: list[str], kind):
+    try:
+        return [kind(v) for v in values]
+    except ValueError:
+        what = "whole number" if kind is int else "number"
+        raise ValueError(f"--{flag}={','.join(values)}: every entry must be a {what}") from None
+
+
+def make_samples(FLAGS, tokenizer, lengths: list[int], depths: list[float]):
     common_args = dict(num_samples=FLAGS.num_samples, seed=FLAGS.seed)
     if FLAGS.task == "passkey":
         return list(tasks.passkey(tokenizer, lengths=lengths, depths=depths, **common_args))
@@ -182,11 +202,13 @@ def plot_needle_heatmaps(sample_records, path):
 
 def run(FLAGS) -> None:
     policies = build_policies(FLAGS)
+    lengths = parse_numbers("lengths", FLAGS.lengths, int)
+    depths = parse_numbers("depths", FLAGS.depths, float)
     loaded = registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
                            seed=FLAGS.seed, num_layers=FLAGS.num_layers)
     if loaded.tokenizer is None:
         raise SystemExit(f"model {FLAGS.model!r} has no tokenizer; accuracy runs need a real model")
-    samples = make_samples(FLAGS, loaded.tokenizer)
+    samples = make_samples(FLAGS, loaded.tokenizer, lengths, depths)
     out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
     samples_path = out / "samples.jsonl"
     samples_path.write_text("")

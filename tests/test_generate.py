@@ -72,3 +72,19 @@ def test_cli_rejects_unknown_model():
     assert proc.returncode != 0
     assert "unknown model 'llama-9000'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--budgets=2.5", "must be a whole number"),
+    ("--budgets=ten", "is not a number"),
+    ("--policies=full,oracle", "unknown policy 'oracle'"),
+    ("--variants={bad json", "not valid JSON"),
+    ("--lengths=1400,long", "--lengths=1400,long: every entry must be a whole number"),
+])
+def test_accuracy_cli_rejects_bad_flags_before_loading(flag, message):
+    cmd = [sys.executable, "-m", "experiments.run", "--experiment=accuracy", "--model=llama-tiny",
+           flag]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
