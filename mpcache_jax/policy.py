@@ -42,6 +42,8 @@ class AttentionPolicy:
     name: str = "full"
     # Whether compress() needs the prompt queries from prefill (static eviction scores).
     needs_queries: bool = dataclasses.field(default=False, repr=False)
+    # True only for `no_cache`: decode by recomputing the whole sequence (cost comparisons).
+    recomputes: bool = dataclasses.field(default=False, repr=False)
 
     def compress(self, cache: KVCache, aux: PrefillAux, max_new_tokens: int) -> KVCache:
         """Turn the dense prefill cache into this policy's decode cache."""
@@ -70,3 +72,13 @@ class AttentionPolicy:
 
 
 FULL = AttentionPolicy()
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCache(AttentionPolicy):
+    """No KV cache: every decode step recomputes the whole sequence (Table 8 of the MPCache
+    paper). Its outputs equal `full`; cost harnesses see `recomputes` and run a full forward
+    over prompt + generated tokens per step instead of a cached decode step."""
+
+    name: str = "no_cache"
+    recomputes: bool = dataclasses.field(default=True, repr=False)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from mpcache_jax.policy import FULL, AttentionPolicy
+from mpcache_jax.policy import FULL, AttentionPolicy, NoCache
+from mpcache_jax.policies import eviction, retrieval
 from mpcache_jax.policies.base import PromptEvictionPolicy, StreamingLLM
 from mpcache_jax.policies.mpcache import MPCache
 
-# name -> (policy class, fixed settings that define the variant)
+# name -> (policy class, fixed settings that define the variant). Baseline modules export
+# their own REGISTRY dicts (one line per configured policy) that are merged in below.
 _REGISTRY: dict[str, tuple[Callable[..., AttentionPolicy], dict]] = {
     "full": (AttentionPolicy, {}),
+    "no_cache": (NoCache, {}),
     "streaming_llm": (StreamingLLM, {}),
     "mpcache": (MPCache, {}),
     # Figure 11 ablation ladder: full -> static -> +dynamic (token level) -> +cluster (MP bound)
@@ -23,6 +26,11 @@ _REGISTRY: dict[str, tuple[Callable[..., AttentionPolicy], dict]] = {
     "mpcache_cluster": (MPCache, {"similarity": "mp", "share_group": 1}),
     "mpcache_linear": (MPCache, {"share_group": 1}),
 }
+for _module in (eviction, retrieval):
+    _clash = set(_REGISTRY) & set(_module.REGISTRY)
+    if _clash:
+        raise ImportError(f"{_module.__name__} registers names already taken: {sorted(_clash)}")
+    _REGISTRY.update(_module.REGISTRY)
 POLICY_NAMES = tuple(_REGISTRY)
 
 
@@ -40,7 +48,7 @@ def make_policy(name: str, budget: float | int | None = None, **overrides) -> At
     if unknown:
         raise ValueError(f"policy {name!r} has no option(s) {unknown}; options: {sorted(fields)}")
     settings = {"name": name, **fixed, **overrides}
-    if budget is not None:
+    if budget is not None and "budget" in fields:
         settings["budget"] = budget
     return cls(**settings)
 
