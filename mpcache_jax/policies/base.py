@@ -120,6 +120,13 @@ class PromptEvictionPolicy(AttentionPolicy):
         """Static [T] 0/1 mask of tokens always kept, or None."""
         return None
 
+    def keep_mask(self, layer: int, q, k, prompt_len: int, count: int, forced, carry
+                  ) -> tuple[jax.Array, Any]:
+        """0/1 mask [T] or [H_kv, T] with exactly `count` ones: the top `keep_scores`
+        (forced tokens first). Override to select at another granularity."""
+        scores, carry = self.keep_scores(layer, q, k, prompt_len, carry)
+        return P.topk_mask(scores, count, forced=forced, method=self.topk_method), carry
+
     # --- shared machinery ------------------------------------------------------------------
     def kept_count(self, prompt_len: int) -> int:
         return P.budget_tokens(self.budget, prompt_len)
@@ -147,8 +154,7 @@ class PromptEvictionPolicy(AttentionPolicy):
             if count == T:
                 keep = jnp.ones((T,), k.dtype)
             else:
-                scores, carry = self.keep_scores(index, q, k, T, carry)
-                keep = P.topk_mask(scores, count, forced=forced, method=self.topk_method)
+                keep, carry = self.keep_mask(index, q, k, T, count, forced, carry)
             kept_k, kept_v, valid = keep_by_mask(k, v, keep, count, capacity)
             out.append(PrunedLayer(kept_k, kept_v, valid, new_region(layer, max_new_tokens),
                                    self.layer_extras(kept_k, valid), prompt_len=T, kept=count))
