@@ -171,3 +171,71 @@ def budget_tokens(budget: float | int, total: int) -> int:
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"budget ratio {budget} must be in (0, 1]; give an int for a token count")
     return max(1, min(total, math.ceil(budget * total - 1e-9)))
+
+
+# --- additions for the per-step retrieval baselines (LongCache, ArkVale, PQCache) ---------
+
+
+def unit_rows(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / |x| along the last axis (cosine similarity = dot product of unit rows)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def cluster_mad_bounds(k: jax.Array, cluster_size: int, valid: jax.Array | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Box of each cluster from its centre +- mean absolute deviation, per channel.
+
+    k: [..., T, d] (T a multiple of cluster_size); valid: [T] or [..., T] 0/1 (empty slots are
+    ignored). Returns (centre + mad, centre - mad), each [..., T / s, d]; use them like
+    cluster_bounds' (r_max, r_min).
+    """
+    *lead, T, d = k.shape
+    if T % cluster_size:
+        raise ValueError(f"{T} slots are not a multiple of the cluster size {cluster_size}")
+    kc = k.reshape(*lead, T // cluster_size, cluster_size, d)
+    if valid is None:
+        w = jnp.ones(kc.shape[:-1] + (1,), k.dtype)
+    else:
+        w = jnp.broadcast_to(valid, k.shape[:-1]).reshape(*lead, T // cluster_size,
+                                                          cluster_size, 1).astype(k.dtype)
+    count = jnp.maximum(jnp.sum(w, axis=-2), 1.0)
+    centre = jnp.sum(kc * w, axis=-2) / count
+    mad = jnp.sum(jnp.abs(kc - centre[..., None, :]) * w, axis=-2) / count
+    return centre + mad, centre - mad
+
+
+def nearest_centroid(x: jax.Array, centroids: jax.Array) -> jax.Array:
+    """Index of the nearest centroid (squared Euclidean) of each row.
+
+    x: [..., N, d]; centroids: [..., K, d] -> int32 [..., N]. |x|^2 is the same for every
+    centroid, so the argmin needs only |c|^2 - 2 x . c (one matmul).
+    """
+    dist = (jnp.sum(centroids * centroids, axis=-1)[..., None, :]
+            - 2.0 * jnp.einsum("...nd,...kd->...nk", x, centroids))
+    return jnp.argmin(dist, axis=-1).astype(jnp.int32)
+
+
+def _kmeans(x: jax.Array, num_centroids: int, iters: int) -> tuple[jax.Array, jax.Array]:
+    N = x.shape[-2]
+    # Deterministic, public initialisation: evenly spaced rows (repeats when N < K).
+    init_rows = np.floor(np.arange(num_centroids) * N / num_centroids).astype(np.int32)
+    centroids = x[..., init_rows, :]
+
+    def step(centroids, _):
+        assign = indices_onehot(nearest_centroid(x, centroids), num_centroids, x.dtype)  # [..., N, K]
+        count = jnp.sum(assign, axis=-2)[..., None]                                      # [..., K, 1]
+        total = jnp.einsum("...nk,...nd->...kd", assign, x)
+        # An empty cluster keeps its centroid.
+        return jnp.where(count > 0, total / jnp.maximum(count, 1.0), centroids), None
+
+    centroids, _ = jax.lax.scan(step, centroids, None, length=iters)
+    return centroids, nearest_centroid(x, centroids)
+
+
+# Jitted once per (shapes, K, iters); inside another jit (a policy's compress) it is inlined.
+kmeans = jax.jit(_kmeans, static_argnames=("num_centroids", "iters"))
+kmeans.__doc__ = """Lloyd's k-means as fixed-shape array code (batched over leading axes).
+
+x: [..., N, d]; num_centroids K; iters fixed iterations of one-hot assignment + matmul
+update. Returns (centroids [..., K, d], codes int32 [..., N] = nearest centroid of each row).
+"""
