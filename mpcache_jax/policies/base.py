@@ -187,3 +187,182 @@ class StreamingLLM(PromptEvictionPolicy):
         forced = np.zeros(prompt_len, np.float32)
         forced[: min(self.num_sinks, count)] = 1.0
         return forced
+
+
+# --- decode-time eviction (H2O, TOVA) ------------------------------------------------------
+
+@flax.struct.dataclass
+class EvictingLayer:
+    """A fixed buffer of S slots where kept prompt tokens and generated tokens compete.
+
+    k, v: [H_kv, S, d]; valid: [H_kv, S] 0/1; score: [H_kv, S] the policy's eviction statistic
+    (higher = keep); pos: [H_kv, S] absolute positions (float, -1 in empty slots);
+    seen: int32 [] tokens seen so far (prompt + generated) = position of the next token.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    score: jax.Array
+    pos: jax.Array
+    seen: jax.Array
+    prompt_len: int = flax.struct.field(pytree_node=False, default=0)
+
+
+def attention_with_probs(q, k, v, valid) -> tuple[jax.Array, jax.Array]:
+    """decode_attention that also returns the weights. q: [H, d]; k, v: [H_kv, S, d];
+    valid: [H_kv, S] -> (out [H, d], probs [H_kv, G, S])."""
+    probs = attention.masked_softmax(attention.grouped_scores(q, k), valid[:, None, :])
+    out = jnp.einsum("kgs,ksd->kgd", probs, v)
+    return out.reshape(q.shape), probs
+
+
+def write_onehot(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """Overwrite the slot marked by a one-hot (or all-zero) row. buf: [H_kv, S] or
+    [H_kv, S, d]; slot: [H_kv, S]; value: [H_kv] or [H_kv, d]. Masked blend, no indexing."""
+    if buf.ndim == 3:
+        slot, value = slot[..., None], value[:, None, :]
+    else:
+        value = value[:, None]
+    return buf * (1.0 - slot) + slot * value
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeEvictionPolicy(PromptEvictionPolicy):
+    """Evict at prefill to `budget` prompt tokens, then keep evicting while decoding.
+
+    Buffer and budget rule: the layer holds S = B + W slots, B = budget tokens, W =
+    min(max_new_tokens, decode_window) slots for generated tokens (all of them when
+    decode_window is None or the budget covers the whole prompt: budget 100% = no eviction).
+    A decode step attends to the buffer plus the new token, then keeps the best S of those
+    S + 1 (an empty slot is filled first). Prompt tokens only ever leave the buffer, so a step
+    attends to at most B prompt tokens and at most B + t tokens in all at step t (never more
+    than a prefill-only policy, which attends to B + t).
+    Subclasses define keep_scores (prefill, also the initial statistic), step_scores and
+    evictable.
+    """
+
+    decode_window: int | None = 16
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.decode_window is not None and (isinstance(self.decode_window, bool) or
+                                               not isinstance(self.decode_window, int) or
+                                               self.decode_window < 0):
+            raise ValueError(f"decode_window={self.decode_window!r} must be an int >= 0 (slots "
+                             "for generated tokens beyond the budget) or None (all of them)")
+
+    def step_scores(self, previous: jax.Array, probs: jax.Array) -> jax.Array:
+        """New statistic [H_kv, S+1] from the previous one (0 for the new token) and this
+        step's attention probs [H_kv, G, S+1]."""
+        raise NotImplementedError
+
+    def evictable(self, pos: jax.Array, position: jax.Array, budget: int) -> jax.Array:
+        """0/1 [H_kv, S+1]: which tokens may be dropped (pos: their positions; position: the
+        new token's)."""
+        return jnp.ones_like(pos)
+
+    def buffer_slots(self, prompt_len: int, max_new_tokens: int) -> int:
+        count = self.kept_count(prompt_len)
+        window = max_new_tokens
+        if self.decode_window is not None and count < prompt_len:
+            window = min(max_new_tokens, self.decode_window)
+        return count + window
+
+    def compress(self, cache, aux: PrefillAux, max_new_tokens: int):
+        T = aux.prompt_len
+        if self.needs_queries and aux.queries is None:
+            raise ValueError(f"policy {self.name!r} scores tokens with the prompt queries: call "
+                             "prefill(..., return_queries=True)")
+        count = self.kept_count(T)
+        slots = self.buffer_slots(T, max_new_tokens)
+        forced = self.forced_keep(T, count)
+        carry = None
+        out = []
+        for index, layer in enumerate(cache):
+            k, v = prompt_kv(layer, T)
+            Hkv = k.shape[0]
+            q = aux.queries[index] if aux.queries is not None else None
+            scores, carry = self.keep_scores(index, q, k, T, carry)
+            scores = jnp.broadcast_to(scores, (Hkv, T))
+            keep = P.topk_mask(scores, count, forced=forced, method=self.topk_method)
+            onehot = P.mask_onehot(keep, count)                             # [H_kv, count, T]
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=k.dtype), (Hkv, T))
+            stats = jnp.stack([scores, positions], axis=-1)                 # [H_kv, T, 2]
+            kept_k, kept_v, kept_stats = (P.gather_rows(onehot, x) for x in (k, v, stats))
+            pad = slots - count
+            pad3 = ((0, 0), (0, pad), (0, 0))
+            valid = jnp.pad(jnp.ones((Hkv, count), k.dtype), ((0, 0), (0, pad)))
+            out.append(EvictingLayer(
+                jnp.pad(kept_k, pad3), jnp.pad(kept_v, pad3), valid,
+                jnp.pad(kept_stats[..., 0], ((0, 0), (0, pad))),
+                jnp.pad(kept_stats[..., 1], ((0, 0), (0, pad)), constant_values=-1.0),
+                jnp.asarray(T, jnp.int32), prompt_len=T))
+        return tuple(out)
+
+    def free_slots(self, cache) -> int:
+        return 1 << 30  # a full buffer evicts; it never refuses a token
+
+    def attend(self, layer, q, k_new, v_new, state: EvictingLayer, carry):
+        Hkv, S, _ = state.k.shape
+        dtype = state.k.dtype
+        k_all = jnp.concatenate([state.k, k_new[:, None, :].astype(dtype)], axis=1)
+        v_all = jnp.concatenate([state.v, v_new[:, None, :].astype(dtype)], axis=1)
+        ones = jnp.ones((Hkv, 1), dtype)
+        valid_all = jnp.concatenate([state.valid, ones], axis=1)
+        out, probs = attention_with_probs(q, k_all, v_all, valid_all)
+        position = state.seen.astype(dtype)
+        score_all = self.step_scores(jnp.concatenate([state.score, 0.0 * ones], axis=1), probs)
+        pos_all = jnp.concatenate([state.pos, position * ones], axis=1)
+        free = jnp.concatenate([1.0 - state.valid, 0.0 * ones], axis=1)
+        budget = P.budget_tokens(self.budget, state.prompt_len)
+        candidates = jnp.maximum(self.evictable(pos_all, position, budget) * valid_all, free)
+        # The dropped token: an empty slot if any (the new token fills it), else the lowest score.
+        drop = P.topk_mask(-score_all, 1, valid=candidates, forced=free, method=self.topk_method)
+        slot = drop[:, :S]                            # all zero when the new token is dropped
+        new_state = state.replace(
+            k=write_onehot(state.k, slot, k_new.astype(dtype)),
+            v=write_onehot(state.v, slot, v_new.astype(dtype)),
+            valid=write_onehot(state.valid, slot, ones[:, 0]),
+            score=write_onehot(score_all[:, :S], slot, score_all[:, S]),
+            pos=write_onehot(state.pos, slot, position * ones[:, 0]),
+            seen=state.seen + 1)
+        return out, new_state, carry
+
+
+# --- per-layer budgets (PrefixKV, PyramidKV) -----------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LayerBudgetPolicy(PromptEvictionPolicy):
+    """Prompt eviction once at prefill with a static token count per layer.
+
+    `layer_counts` says how many prompt tokens each layer keeps; their mean is at most the
+    budget (B tokens per layer on average). Each layer's region has exactly its own count of
+    slots (the cache is a tuple, so layers may differ in shape; all shapes stay static).
+    """
+
+    def layer_counts(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def compress(self, cache, aux: PrefillAux, max_new_tokens: int):
+        T = aux.prompt_len
+        self.check_prompt(T)
+        if self.needs_queries and aux.queries is None:
+            raise ValueError(f"policy {self.name!r} scores tokens with the prompt queries: call "
+                             "prefill(..., return_queries=True)")
+        counts = self.layer_counts(len(cache), T)
+        carry = None
+        out = []
+        for index, (layer, count) in enumerate(zip(cache, counts)):
+            k, v = prompt_kv(layer, T)
+            if count == T:
+                keep = jnp.ones((T,), k.dtype)
+            else:
+                q = aux.queries[index] if aux.queries is not None else None
+                scores, carry = self.keep_scores(index, q, k, T, carry)
+                keep = P.topk_mask(scores, count, forced=self.forced_keep(T, count),
+                                   method=self.topk_method)
+            kept_k, kept_v, valid = keep_by_mask(k, v, keep, count, count)
+            out.append(PrunedLayer(kept_k, kept_v, valid, new_region(layer, max_new_tokens),
+                                   None, prompt_len=T, kept=count))
+        return tuple(out)

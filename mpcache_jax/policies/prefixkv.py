@@ -1,0 +1,193 @@
+"""PrefixKV: a per-layer prompt budget from each layer's importance distribution.
+
+Importance of prompt token n in layer l: the attention it receives summed over all prompt
+queries, averaged over heads; normalized to sum 1, sorted in descending order and accumulated
+it gives the layer's Lorenz curve P_l(o) (share of the importance held by the top o of the
+tokens). One retention ratio p is binary-searched so that the prefix sizes
+R_l = min{o : P_l(o) >= p} sum to the global budget (L x B tokens); layer l then keeps its
+ceil(R_l T) most important tokens (at least the 4 start tokens and the last token, which are
+always kept). Per-layer counts must be static, so the curves are calibrated offline on sample
+prompts (`calibrate`, CLI below), saved as JSON and applied through `calibration=PATH`.
+Without a calibration every layer keeps B tokens (same selection rule).
+
+    python -m mpcache_jax.policies.prefixkv --model=smollm2-135m --out=results/prefixkv_smollm2.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+
+from mpcache_jax import primitives as P
+from mpcache_jax.policies.base import LayerBudgetPolicy, window_attention_mass
+
+CALIBRATION_FORMAT = "prefixkv-lorenz-v1"
+
+
+def lorenz_curve(importance: np.ndarray, grid: int) -> np.ndarray:
+    """importance: [T] >= 0 -> [grid + 1]: share of the total held by the top o*T tokens at
+    o = 0, 1/grid, ..., 1 (linear between whole token counts)."""
+    share = np.sort(np.asarray(importance, np.float64))[::-1]
+    cumulative = np.concatenate([[0.0], np.cumsum(share) / max(share.sum(), 1e-30)])
+    T = len(share)
+    curve = np.interp(np.linspace(0.0, 1.0, grid + 1) * T, np.arange(T + 1), cumulative)
+    curve[-1] = 1.0
+    return np.minimum(curve, 1.0)
+
+
+def prefix_ratio(curve: np.ndarray, p: float) -> float:
+    """min {o : P(o) >= p} on a curve sampled at o = i / grid (linear in between)."""
+    grid = len(curve) - 1
+    i = int(np.searchsorted(curve, p, side="left"))
+    if i == 0:
+        return 0.0
+    if i > grid:
+        return 1.0
+    return (i - 1 + (p - curve[i - 1]) / (curve[i] - curve[i - 1])) / grid
+
+
+def counts_at(curves, p: float, prompt_len: int, min_keep: int) -> list[int]:
+    return [int(min(prompt_len, max(min_keep, math.ceil(prefix_ratio(c, p) * prompt_len - 1e-9))))
+            for c in curves]
+
+
+def search_retention(curves, total: int, prompt_len: int, min_keep: int, iters: int = 60
+                     ) -> tuple[float, list[int]]:
+    """Binary search for the retention ratio p whose per-layer counts sum to at most `total`,
+    as close as possible. curves: [L, grid + 1] -> (p, counts [L])."""
+    low, high = 0.0, 1.0
+    for _ in range(iters):
+        mid = 0.5 * (low + high)
+        if sum(counts_at(curves, mid, prompt_len, min_keep)) <= total:
+            low = mid
+        else:
+            high = mid
+    return low, counts_at(curves, low, prompt_len, min_keep)
+
+
+def load_curves(path: str) -> tuple[tuple[float, ...], ...]:
+    data = json.loads(pathlib.Path(path).read_text())
+    if data.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(f"{path} is not a PrefixKV calibration ({CALIBRATION_FORMAT}); make one "
+                         "with `python -m mpcache_jax.policies.prefixkv --out=PATH`")
+    return tuple(tuple(float(x) for x in curve) for curve in data["curves"])
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixKV(LayerBudgetPolicy):
+    """calibration: path of a JSON written by `calibrate`; curves: the same Lorenz curves as a
+    tuple of per-layer tuples (filled from the file; static and hashable)."""
+
+    name: str = "prefixkv"
+    needs_queries: bool = True
+    calibration: str | None = None
+    curves: tuple | None = None
+    num_sinks: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.calibration is not None and self.curves is None:
+            object.__setattr__(self, "curves", load_curves(self.calibration))
+        if self.curves is not None:
+            for i, c in enumerate(self.curves):
+                a = np.asarray(c)
+                if a.ndim != 1 or len(a) < 2 or np.any(np.diff(a) < -1e-9) or abs(a[-1] - 1) > 1e-6:
+                    raise ValueError(f"curve of layer {i} must rise from 0 to 1 on a grid")
+
+    def layer_counts(self, num_layers, prompt_len):
+        budget = P.budget_tokens(self.budget, prompt_len)
+        if self.curves is None or budget == prompt_len:
+            return (budget,) * num_layers
+        if len(self.curves) != num_layers:
+            raise ValueError(f"the PrefixKV calibration has {len(self.curves)} layers but the model "
+                             f"has {num_layers}: calibrate on this model")
+        min_keep = min(self.num_sinks + 1, budget)
+        _, counts = search_retention(np.asarray(self.curves), num_layers * budget, prompt_len,
+                                     min_keep)
+        return tuple(counts)
+
+    def keep_scores(self, layer, q, k, prompt_len, carry):
+        return jnp.mean(window_attention_mass(q, k, prompt_len), axis=(0, 1)), carry   # [T]
+
+    def forced_keep(self, prompt_len, count):
+        forced = np.zeros(prompt_len, np.float32)
+        forced[: min(self.num_sinks, count - 1)] = 1.0
+        forced[-1] = 1.0
+        return forced
+
+
+def layer_importance(queries, cache, prompt_len: int) -> np.ndarray:
+    """[L, T] column-sum attention averaged over heads, from a prefill with return_queries."""
+    rows = []
+    for q, layer in zip(queries, cache):
+        mass = window_attention_mass(q, layer.k[:, :prompt_len], prompt_len)
+        rows.append(np.asarray(jnp.mean(mass, axis=(0, 1))))
+    return np.stack(rows)
+
+
+def calibrate(model, params, prompts, grid: int = 100) -> dict:
+    """Average Lorenz curves per layer over sample prompts (lists of token ids)."""
+    curves = []
+    for ids in prompts:
+        _, cache, aux = model.prefill(params, ids, model.init_cache(len(ids)), return_queries=True)
+        imp = layer_importance(aux.queries, cache, len(ids))
+        curves.append([lorenz_curve(row, grid) for row in imp])
+    mean = np.mean(np.asarray(curves), axis=0)
+    mean[:, -1] = 1.0
+    return {"format": CALIBRATION_FORMAT, "model": model.cfg.name, "grid": grid,
+            "num_layers": int(mean.shape[0]), "prompt_tokens": [len(p) for p in prompts],
+            "curves": np.round(mean, 6).tolist()}
+
+
+def _sample_prompts(loaded, count: int, length: int, seed: int) -> list[list[int]]:
+    if loaded.tokenizer is None:
+        rng = np.random.RandomState(seed)
+        return [rng.randint(0, loaded.model.cfg.vocab_size, size=length).tolist()
+                for _ in range(count)]
+    text = (pathlib.Path(__file__).resolve().parents[2] / "experiments/data/haystack.txt").read_text()
+    ids = loaded.tokenizer.encode(text)
+    if len(ids) < length:
+        raise SystemExit(f"the haystack text has {len(ids)} tokens, fewer than --length={length}")
+    starts = np.linspace(0, len(ids) - length, count).astype(int)
+    return [ids[s:s + length] for s in starts]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpcache_jax.policies.prefixkv",
+        description="Calibrate PrefixKV's per-layer Lorenz curves on sample prompts (windows of "
+                    "experiments/data/haystack.txt; random ids for models without a tokenizer) "
+                    "and save them as JSON for make_policy('prefixkv', calibration=PATH).")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--num_prompts", type=int, default=4)
+    parser.add_argument("--length", type=int, default=1024, help="tokens per sample prompt")
+    parser.add_argument("--grid", type=int, default=100, help="curve points per layer - 1")
+    parser.add_argument("--budget", type=float, default=0.1,
+                        help="only for the printed per-layer counts (ratio of --length)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.num_prompts < 1 or args.length < 2 or args.grid < 2:
+        raise SystemExit("--num_prompts >= 1, --length >= 2 and --grid >= 2 are needed")
+    from models import registry
+    loaded = registry.load(args.model, seed=args.seed)
+    prompts = _sample_prompts(loaded, args.num_prompts, args.length, args.seed)
+    result = calibrate(loaded.model, loaded.params, prompts, args.grid)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result))
+    policy = PrefixKV(budget=args.budget, calibration=str(out))
+    counts = policy.layer_counts(result["num_layers"], args.length)
+    print(f"wrote {out}; per-layer tokens kept at budget {args.budget} of {args.length}: "
+          f"{list(counts)} (sum {sum(counts)}, target {result['num_layers'] * P.budget_tokens(args.budget, args.length)})")
+
+
+REGISTRY = {"prefixkv": (PrefixKV, {})}
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Properties every registered policy must have (the registry is enumerated, so a new policy
+is covered as soon as it is registered):
+
+1. budget 100% gives the `full` logits (llama-tiny and gpt2-tiny, a few decode steps);
+2. a decode step attends to at most the budget of prompt tokens (value-tag probe below);
+3. the jitted decode step compiles once per policy and is reused across steps.
+
+The probe: a synthetic dense cache whose value vectors are one-hot tags (token j's value is
+e_j, head_dim >= prompt + new tokens), compressed by the policy itself and decoded through its
+own `attend`. The attention output of a head is then sum_j p_j e_j, so its nonzero entries are
+exactly the tokens that head attended to with nonzero weight, whatever the policy gathers,
+clusters or masks internally. A policy with per-layer budgets (a `layer_counts` method) is
+held to its own per-layer counts, whose mean must not exceed the budget.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mpcache_jax import primitives as P
+from mpcache_jax.cache import LayerKV
+from mpcache_jax.generate import compress_cache
+from mpcache_jax.policies import POLICY_NAMES, make_policy
+from mpcache_jax.policy import PrefillAux
+from models import model as model_module
+from models import registry
+
+NO_BUDGET = ("full", "no_cache")
+BUDGETED = tuple(n for n in POLICY_NAMES if n not in NO_BUDGET)
+
+
+@pytest.fixture(scope="module", params=["llama-tiny", "gpt2-tiny"])
+def tiny(request):
+    lm = registry.load(request.param)
+    tokens = np.random.RandomState(0).randint(0, lm.model.cfg.vocab_size, size=110)
+    return lm.model, lm.params, tokens
+
+
+def _decode_logits(model, params, tokens, policy, prompt_len=100, steps=4):
+    """Logits of `steps` teacher-forced decode steps; asserts the jitted step is reused."""
+    cache = model.init_cache(prompt_len + steps)
+    _, cache, aux = model.prefill(params, tokens[:prompt_len], cache,
+                                  return_queries=policy.needs_queries)
+    cache = compress_cache(policy, cache, aux, steps)
+    out = []
+    for t in range(prompt_len, prompt_len + steps):
+        logits, cache = model.decode_step(params, tokens[t], t, cache, policy)
+        out.append(np.asarray(logits))
+        if t == prompt_len:
+            compiled = model_module._decode._cache_size()
+    assert model_module._decode._cache_size() == compiled, f"{policy.name} recompiled"
+    return np.stack(out)
+
+
+@pytest.fixture(scope="module")
+def full_logits(tiny):
+    model, params, tokens = tiny
+    return _decode_logits(model, params, tokens, make_policy("full"))
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_full_budget_equals_full(tiny, full_logits, name):
+    model, params, tokens = tiny
+    got = _decode_logits(model, params, tokens, make_policy(name, 1.0))
+    assert np.abs(got - full_logits).max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+def test_compiles_once_with_eviction(tiny, name):
+    model, params, tokens = tiny
+    if model.cfg.name != "llama-tiny":
+        pytest.skip("one model is enough for the eviction-path compile check")
+    _decode_logits(model, params, tokens, make_policy(name, 0.5))
+
+
+# --- budget probe -------------------------------------------------------------------------
+LAYERS, HEADS, KV_HEADS, PROMPT, STEPS = 4, 4, 2, 200, 3
+DIM = PROMPT + STEPS
+
+
+@functools.partial(jax.jit, static_argnames="policy")
+def _probe_step(policy, q, k_new, v_new, cache):
+    """One decode step of every layer with the same v_new. q: [L, H, d]; k_new: [L, H_kv, d]."""
+    carry = policy.init_carry()
+    outs, states = [], []
+    for layer, state in enumerate(cache):
+        out, state, carry = policy.attend(layer, q[layer], k_new[layer], v_new, state, carry)
+        outs.append(out)
+        states.append(state)
+    return jnp.stack(outs), tuple(states)
+
+
+def _attended(policy) -> list[np.ndarray]:
+    """Per decode step, [L, H, T + STEPS] 0/1: which tokens each head attended to."""
+    rng = np.random.RandomState(3)
+    tags = np.eye(PROMPT + STEPS, DIM, dtype=np.float32)
+    cache = []
+    for _ in range(LAYERS):
+        k = np.zeros((KV_HEADS, PROMPT + STEPS, DIM), np.float32)
+        k[:, :PROMPT] = rng.randn(KV_HEADS, PROMPT, DIM)
+        v = np.zeros_like(k)
+        v[:, :PROMPT] = tags[:PROMPT]
+        cache.append(LayerKV(jnp.asarray(k), jnp.asarray(v), jnp.asarray(PROMPT, jnp.int32)))
+    queries = tuple(jnp.asarray(rng.randn(HEADS, PROMPT, DIM), jnp.float32) for _ in range(LAYERS))
+    state = compress_cache(policy, tuple(cache), PrefillAux(queries, PROMPT), STEPS)
+    seen = []
+    for step in range(STEPS):
+        q = jnp.asarray(rng.randn(LAYERS, HEADS, DIM), jnp.float32)
+        k_new = jnp.asarray(rng.randn(LAYERS, KV_HEADS, DIM), jnp.float32)
+        v_new = jnp.broadcast_to(jnp.asarray(tags[PROMPT + step]), (KV_HEADS, DIM))
+        out, state = _probe_step(policy, q, k_new, v_new, state)
+        seen.append(np.asarray(out) > 0)
+    return seen
+
+
+def test_probe_sees_every_token_under_full_attention():
+    for name in NO_BUDGET:
+        for step, seen in enumerate(_attended(make_policy(name))):
+            np.testing.assert_array_equal(seen[..., :PROMPT].sum(-1), PROMPT)
+            np.testing.assert_array_equal(seen[..., PROMPT:].sum(-1), step + 1)
+
+
+@pytest.mark.parametrize("budget", [0.25, 64])
+@pytest.mark.parametrize("name", BUDGETED)
+def test_attends_to_at_most_budget_prompt_tokens(name, budget):
+    policy = make_policy(name, budget)
+    limit = P.budget_tokens(budget, PROMPT)
+    per_layer = np.full(LAYERS, limit)
+    if hasattr(policy, "layer_counts"):
+        per_layer = np.asarray(policy.layer_counts(LAYERS, PROMPT))
+        assert per_layer.mean() <= limit
+    for step, seen in enumerate(_attended(policy)):
+        prompt = seen[..., :PROMPT].sum(-1)                       # [L, H]
+        assert (prompt >= 1).all()
+        assert (prompt <= per_layer[:, None]).all(), (
+            f"{name} step {step}: prompt tokens attended per layer/head {prompt.tolist()} > "
+            f"budget {per_layer.tolist()}")
+        assert (seen[..., PROMPT:].sum(-1) <= step + 1).all()
