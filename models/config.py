@@ -5,6 +5,9 @@ import dataclasses
 
 ARCHS = ("llama", "gpt2")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+# How MLP activations are evaluated: "exact" (jax.nn, today's behaviour) or "poly" (piecewise
+# polynomials, PUMA-style: comparisons + multiplications only, cheaper under MPC).
+ACTIVATION_IMPLS = ("exact", "poly")
 
 
 class ConfigError(ValueError):
@@ -33,6 +36,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     activation: str = "silu"
     name: str = "custom"
+    # MPC-friendly numerics (defaults keep exact plaintext behaviour). The attention softmax is
+    # always max-subtracted with a bounded mask logit (mpcache_jax/attention.py) and norms
+    # always use rsqrt, both MPC-friendly at no plaintext cost.
+    activation_impl: str = "exact"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -63,6 +70,9 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation={self.activation!r} is unknown; use one of {ACTIVATIONS}")
+        if self.activation_impl not in ACTIVATION_IMPLS:
+            raise ConfigError(f"activation_impl={self.activation_impl!r} is unknown; use one of "
+                              f"{ACTIVATION_IMPLS}")
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps={self.norm_eps} must be positive")
 

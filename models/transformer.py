@@ -16,11 +16,13 @@ Kernels are (in_features, out_features).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mpcache_jax import attention
 from mpcache_jax.cache import fill_prefix
@@ -53,12 +55,60 @@ class LayerNorm(nn.Module):
         return centered * jax.lax.rsqrt(var + self.eps) * scale + bias
 
 
-def activation_fn(name: str):
+def _exact_activation(name: str):
     if name == "silu":
         return jax.nn.silu
     if name == "gelu_tanh":
         return lambda x: jax.nn.gelu(x, approximate=True)
     return lambda x: jax.nn.gelu(x, approximate=False)
+
+
+# Piecewise-polynomial activations (PUMA-style): 0 below the first breakpoint, x above the
+# last, a Chebyshev least-squares polynomial on each middle segment. Breakpoints and degrees:
+# max |error| over the real line 0.005 (GeLU) and 0.010 (SiLU), measured by tests/test_mpc.py.
+POLY_SEGMENTS = {
+    "silu": ((-8.0, -2.5, 4), (-2.5, 8.0, 8)),
+    "gelu": ((-5.0, -2.0, 4), (-2.0, 5.0, 8)),
+}
+
+
+def _fit_segment(fn, lo: float, hi: float, degree: int) -> np.ndarray:
+    """Power-basis coefficients in t = (x - mid) / half in [-1, 1] (t keeps every power <= 1,
+    which fixed point needs), fitted at 2000 Chebyshev nodes of [lo, hi]."""
+    mid, half = (lo + hi) / 2, (hi - lo) / 2
+    nodes = np.cos(np.linspace(0.0, np.pi, 2000))
+    x = nodes * half + mid
+    cheb = np.polynomial.chebyshev.chebfit(nodes, np.asarray(fn(jnp.asarray(x))), degree)
+    return np.polynomial.chebyshev.cheb2poly(cheb).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _poly_pieces(base: str) -> tuple:
+    exact = _exact_activation(base)
+    return tuple((lo, hi, _fit_segment(exact, lo, hi, deg)) for lo, hi, deg in POLY_SEGMENTS[base])
+
+
+def poly_activation(name: str):
+    """Piecewise-polynomial stand-in for `name` (gelu_tanh uses the GeLU fit)."""
+    pieces = _poly_pieces("silu" if name == "silu" else "gelu")
+
+    def fn(x):
+        # at_or_above[i] = x >= breakpoint i; segment i is at_or_above[i] - at_or_above[i + 1].
+        bounds = [lo for lo, _, _ in pieces] + [pieces[-1][1]]
+        above = [(x >= b).astype(x.dtype) for b in bounds]
+        y = above[-1] * x
+        for i, (lo, hi, coef) in enumerate(pieces):
+            t = (x - (lo + hi) / 2) / ((hi - lo) / 2)
+            p = jnp.full_like(x, coef[-1])
+            for c in coef[-2::-1]:
+                p = p * t + c
+            y = y + (above[i] - above[i + 1]) * p
+        return y
+    return fn
+
+
+def activation_fn(name: str, impl: str = "exact"):
+    return poly_activation(name) if impl == "poly" else _exact_activation(name)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -108,7 +158,7 @@ class LlamaBlock(nn.Module):
         T = x.shape[0]
         x = x + self.o_proj(attn.transpose(1, 0, 2).reshape(T, -1))
         h = self.post_norm(x)
-        act = activation_fn(self.cfg.activation)
+        act = activation_fn(self.cfg.activation, self.cfg.activation_impl)
         return x + self.down_proj(act(self.gate_proj(h)) * self.up_proj(h))
 
 
@@ -136,7 +186,7 @@ class GPT2Block(nn.Module):
     def finish(self, x, attn):
         T = x.shape[0]
         x = x + self.o_proj(attn.transpose(1, 0, 2).reshape(T, -1))
-        act = activation_fn(self.cfg.activation)
+        act = activation_fn(self.cfg.activation, self.cfg.activation_impl)
         return x + self.fc_out(act(self.fc_in(self.post_norm(x))))
 
 
@@ -159,13 +209,18 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Dense(c.vocab_size, use_bias=False, kernel_init=_INIT)
 
     def _embed(self, tokens, positions):
-        x = self.embed(tokens).astype(jnp.float32)
+        """tokens: int ids [T], or one-hot rows [T, V] (float; MPC: a secret token becomes a
+        one-hot matmul instead of a secret-index gather)."""
+        if jnp.issubdtype(tokens.dtype, jnp.floating):
+            x = tokens @ self.embed.embedding.astype(tokens.dtype)
+        else:
+            x = self.embed(tokens).astype(jnp.float32)
         if self.cfg.arch == "gpt2":
             x = x + self.pos_embed(positions)
         return x
 
     def __call__(self, tokens):
-        """Whole-sequence forward without a cache. tokens: [T] -> logits [T, V]."""
+        """Whole-sequence forward without a cache. tokens: [T] (or one-hot [T, V]) -> logits [T, V]."""
         positions = jnp.arange(tokens.shape[0])
         x = self._embed(tokens, positions)
         for block in self.layers:
@@ -175,7 +230,7 @@ class DecoderLM(nn.Module):
         return self.lm_head(self.final_norm(x))
 
     def prefill(self, tokens, cache, return_queries: bool, all_logits: bool):
-        """tokens: [T]; cache: per-layer LayerKV of capacity >= T (empty).
+        """tokens: [T] (or one-hot [T, V]); cache: per-layer LayerKV of capacity >= T (empty).
 
         Returns (logits [T, V] or [V], filled cache, per-layer queries [H, T, d] or None).
         """
@@ -194,9 +249,10 @@ class DecoderLM(nn.Module):
             tuple(queries) if return_queries else None)
 
     def decode(self, token, pos, cache, policy: AttentionPolicy):
-        """token: int32 []; pos: int32 [] absolute position. Returns (logits [V], cache)."""
+        """token: int32 [] (or one-hot [V]); pos: int32 [] absolute position (public under MPC:
+        RoPE tables and cache slots derive from it). Returns (logits [V], cache)."""
         positions = jnp.reshape(pos, (1,))
-        x = self._embed(jnp.reshape(token, (1,)), positions)
+        x = self._embed(jnp.reshape(token, (1,) + token.shape), positions)
         carry = policy.init_carry()
         new_cache = []
         for index, (block, state) in enumerate(zip(self.layers, cache)):

@@ -1,0 +1,29 @@
+"""Secure inference through SPU: runtime configs, backends, secure programs, cost accounting.
+
+    from mpcache_jax import mpc
+    cfg = mpc.MPCConfig(protocol="ABY3")                      # or mpc.from_json(path_or_text)
+    backend = mpc.make_backend("spu_sim", cfg)                # or "xla" (plaintext)
+    session = mpc.SecureSession(backend, model, params, policy)
+    out = session.generate(prompt_ids, max_new_tokens=8)      # tokens + per-step RunCost
+    record = mpc.cost_fields(out.steps[-1].cost, out.steps[-1].wall_s, cfg.parties)
+
+Lower level: backend.compile(fn, args, visibility) / share / run / reveal, with the programs
+`decode_fn`, `prefill_fn`, `forward_fn` and `cache_visibility`; `secret_reveals(program.ir)`
+lists any secret->public conversion inside a compiled program; `parse_profile_log` reads SPU's
+profiling log; `LAN` / `WAN` network profiles.
+"""
+from mpcache_jax.mpc.backends import (BACKENDS, CLIENT, PUBLIC, SECRET, SERVER, Program, Shared,
+                                      SpuSimBackend, XLABackend, make_backend)
+from mpcache_jax.mpc.config import MPCConfig, MPCConfigError, from_json
+from mpcache_jax.mpc.costs import (LAN, WAN, NetworkProfile, RunCost, cost_fields,
+                                   parse_profile_log, phase_breakdown)
+from mpcache_jax.mpc.secure import (SecureSession, cache_visibility, decode_fn, forward_fn,
+                                    onehot, prefill_fn, secret_reveals)
+
+__all__ = [
+    "BACKENDS", "CLIENT", "PUBLIC", "SECRET", "SERVER", "Program", "Shared", "SpuSimBackend",
+    "XLABackend", "make_backend", "MPCConfig", "MPCConfigError", "from_json", "LAN", "WAN",
+    "NetworkProfile", "RunCost", "cost_fields", "parse_profile_log", "phase_breakdown",
+    "SecureSession", "cache_visibility", "decode_fn", "forward_fn", "onehot", "prefill_fn",
+    "secret_reveals",
+]

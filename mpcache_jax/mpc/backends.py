@@ -1,0 +1,315 @@
+"""Backends that run one jittable function under a visibility spec: plaintext XLA or SPU.
+
+Both expose the same four calls, so the model/policy code path is shared:
+
+    backend = make_backend("spu_sim", MPCConfig(protocol="ABY3"))     # or "xla"
+    program = backend.compile(fn, example_args, visibility)   # visibility: pytree of SECRET/PUBLIC
+    shared = backend.share(args, visibility, owner=CLIENT)     # secret-share inputs (per leaf)
+    outputs, cost = backend.run(program, shared_args...)       # outputs stay shared
+    values = backend.reveal(outputs)                           # reconstruct (to the output owner)
+
+`visibility` has the structure of the argument pytree (a prefix is enough: one flag for a
+whole subtree). `run` returns a `RunCost` (parsed from SPU's profiling log of party 0) or None
+for XLA. Shared values of one backend can be fed to any of its programs: the KV cache and the
+weights stay secret-shared from step to step; only what the caller reveals is reconstructed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from mpcache_jax.mpc.config import MPCConfig
+from mpcache_jax.mpc.costs import RunCost, parse_profile_log
+
+SECRET = "secret"
+PUBLIC = "public"
+# Input owners (hints only: SPU may co-locate a share with its owner).
+SERVER = 0   # holds the weights
+CLIENT = 1   # holds the prompt and receives the sampled tokens
+BACKENDS = ("xla", "spu_sim")
+
+
+def broadcast_visibility(visibility, tree) -> list[str]:
+    """Flat list of SECRET/PUBLIC, one per leaf of `tree`, from a prefix pytree of flags."""
+    flags = jax.tree_util.tree_map(
+        lambda flag, sub: [flag] * len(jax.tree_util.tree_leaves(sub)), visibility, tree,
+        is_leaf=lambda x: x in (SECRET, PUBLIC))
+    flat = [f for group in jax.tree_util.tree_leaves(flags, is_leaf=lambda x: isinstance(x, list))
+            for f in group]
+    bad = sorted({f for f in flat if f not in (SECRET, PUBLIC)})
+    if bad:
+        raise ValueError(f"visibility flags must be {SECRET!r} or {PUBLIC!r}, got {bad}")
+    return flat
+
+
+def dependency_visibility(fn: Callable, args: tuple, visibility) -> Any:
+    """SECRET/PUBLIC for every output of `fn(*args)`: public only when it depends on public
+    inputs alone (dependency analysis of the jaxpr; sub-computations count as one op, so this
+    is conservative). `args` may hold jax.ShapeDtypeStruct leaves."""
+    flags = broadcast_visibility(visibility, args)
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    secret = {id(v) for v, f in zip(jaxpr.invars, flags) if f == SECRET}
+
+    def is_secret(v):
+        return not isinstance(v, jax.core.Literal) and id(v) in secret
+    for eqn in jaxpr.eqns:
+        if any(is_secret(v) for v in eqn.invars):
+            secret.update(id(v) for v in eqn.outvars)
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
+    return jax.tree_util.tree_unflatten(
+        out_tree, [SECRET if is_secret(v) else PUBLIC for v in jaxpr.outvars])
+
+
+@dataclasses.dataclass
+class Program:
+    """A compiled function: `executable` (SPU) or jitted callable (XLA), input/output trees."""
+
+    name: str
+    in_tree: Any
+    out_tree: Any
+    visibility: list
+    executable: Any = None
+    ir: str = ""
+    out_visibility: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Shared:
+    """One secret-shared (or public) array: per-party `libspu.Share` objects."""
+
+    shares: list
+    shape: tuple
+    dtype: Any
+    visibility: str
+
+
+class XLABackend:
+    """Plaintext reference: the same function jitted by XLA; share/reveal are identities."""
+
+    name = "xla"
+    config = None
+
+    def compile(self, fn: Callable, args: tuple, visibility) -> Program:
+        flat, in_tree = jax.tree_util.tree_flatten(args)
+        vis = broadcast_visibility(visibility, args)
+        out_vis = dependency_visibility(fn, args, visibility)
+        jitted = jax.jit(lambda *leaves: fn(*jax.tree_util.tree_unflatten(in_tree, leaves)))
+        return Program(getattr(fn, "__name__", "fn"), in_tree,
+                       jax.tree_util.tree_structure(out_vis), vis, jitted,
+                       out_visibility=jax.tree_util.tree_leaves(out_vis))
+
+    def share(self, tree, visibility=SECRET, owner: int = -1):
+        del visibility, owner
+        return tree
+
+    def to_visibility(self, tree, visibility):
+        return tree
+
+    def run(self, program: Program, *args):
+        leaves = jax.tree_util.tree_leaves(args)
+        start = time.perf_counter()
+        out = program.executable(*leaves)
+        jax.block_until_ready(out)
+        return out, None, time.perf_counter() - start
+
+    def reveal(self, tree):
+        return jax.tree_util.tree_map(np.asarray, tree)
+
+
+class SpuSimBackend:
+    """SPU's protocols with all parties as threads of this process (in-memory links).
+
+    The runtime of party 0 profiles every run; its log lines go to `log_path` (one file per
+    process, set up on first use) and are parsed after each run into a RunCost."""
+
+    name = "spu_sim"
+    _log_lock = threading.Lock()
+    _log_path: str | None = None
+
+    def __init__(self, config: MPCConfig, profile: bool = True):
+        import spu.libspu as libspu
+        from spu import api as spu_api
+        self.libspu, self.spu_api = libspu, spu_api
+        self.config = config
+        self.profile = profile
+        self.world = config.parties
+        self.rt_config = config.runtime_config(profile=profile)
+        self.io = spu_api.Io(self.world, self.rt_config)
+        if profile:
+            self._setup_logging()
+
+    @classmethod
+    def _setup_logging(cls):
+        with cls._log_lock:
+            if cls._log_path is None:
+                import spu.libspu as libspu
+                path = os.path.join(tempfile.mkdtemp(prefix="mpcache_spu_"), "spu.log")
+                opts = libspu.logging.LogOptions()
+                opts.enable_console_logger = False
+                opts.system_log_path = path
+                libspu.logging.setup_logging(opts)
+                cls._log_path = path
+
+    # ----- compile --------------------------------------------------------------------------
+    def compile(self, fn: Callable, args: tuple, visibility) -> Program:
+        from spu.utils import frontend as spu_fe
+        flat, in_tree = jax.tree_util.tree_flatten(args)
+        vis = broadcast_visibility(visibility, args)
+        spu_vis = [self.libspu.Visibility.VIS_SECRET if v == SECRET
+                   else self.libspu.Visibility.VIS_PUBLIC for v in vis]
+        name = getattr(fn, "__name__", "fn")
+
+        def flat_fn(*leaves):
+            return fn(*jax.tree_util.tree_unflatten(in_tree, leaves))
+        flat_fn.__name__ = name
+        flat = [np.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x for x in flat]
+        executable, out_info = spu_fe.compile(
+            spu_fe.Kind.JAX, flat_fn, flat, {}, [f"{name}_in{i}" for i in range(len(flat))],
+            spu_vis, lambda outs: [f"{name}_out{i}" for i in range(len(outs))])
+        ir = executable.code.decode("utf-8")
+        return Program(name, in_tree, jax.tree_util.tree_structure(out_info), vis, executable,
+                       ir, output_visibility(ir))
+
+    # ----- data -----------------------------------------------------------------------------
+    def share(self, tree, visibility=SECRET, owner: int = -1):
+        """Secret-share (or publicly encode) every leaf; `owner` is the providing party."""
+        vis = broadcast_visibility(visibility, tree)
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        out = []
+        for leaf, v in zip(leaves, vis):
+            arr = np.asarray(leaf)
+            kind = (self.libspu.Visibility.VIS_SECRET if v == SECRET
+                    else self.libspu.Visibility.VIS_PUBLIC)
+            out.append(Shared(self.io.make_shares(arr, kind, owner), arr.shape, arr.dtype, v))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def to_visibility(self, tree, visibility):
+        """Re-encode public leaves that a program takes as secret (public data may always be
+        secret-shared). A secret leaf asked to become public is an error (it would leak)."""
+        flags = broadcast_visibility(visibility, tree)
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Shared))
+        out = []
+        for leaf, want in zip(leaves, flags):
+            if leaf.visibility == want:
+                out.append(leaf)
+            elif want == PUBLIC:
+                raise ValueError("refusing to make a secret value public")
+            else:
+                value = np.asarray(self.io.reconstruct(leaf.shares))
+                out.append(self.share(value, SECRET))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def reveal(self, tree):
+        """Reconstruct every Shared leaf (in a deployment: only the output owner does this)."""
+        return jax.tree_util.tree_map(lambda s: self.io.reconstruct(s.shares), tree,
+                                      is_leaf=lambda x: isinstance(x, Shared))
+
+    # ----- run ------------------------------------------------------------------------------
+    def run(self, program: Program, *args):
+        """Run on already shared inputs. Returns (outputs as Shared pytree, RunCost, wall_s)."""
+        leaves = jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, Shared))
+        if any(not isinstance(x, Shared) for x in leaves):
+            raise TypeError("SpuSimBackend.run takes shared inputs: call backend.share first")
+        if len(leaves) != len(program.visibility):
+            raise ValueError(f"{program.name} takes {len(program.visibility)} inputs, got "
+                             f"{len(leaves)}")
+        for i, (x, v) in enumerate(zip(leaves, program.visibility)):
+            if x.visibility != v:
+                raise ValueError(f"input {i} of {program.name} was shared as {x.visibility} but "
+                                 f"the program was compiled for {v}")
+        ex = program.executable
+        desc = self.libspu.link.Desc()
+        for rank in range(self.world):
+            desc.add_party(f"id_{rank}", f"thread_{rank}")
+        results: list = [None] * self.world
+        errors: list = []
+
+        def party(rank):
+            try:
+                link = self.libspu.link.create_mem(desc, rank)
+                cfg = self.libspu.RuntimeConfig(self.rt_config)
+                if rank != 0:
+                    cfg.enable_pphlo_profile = False
+                    cfg.enable_hal_profile = False
+                rt = self.spu_api.Runtime(link, cfg)
+                for name, x in zip(ex.input_names, leaves):
+                    rt.set_var(name, x.shares[rank])
+                rt.run(ex)
+                results[rank] = [rt.get_var(name) for name in ex.output_names]
+            except BaseException as err:  # surfaced in the caller's thread
+                errors.append(err)
+
+        with self._log_lock:
+            offset = self._log_size()
+            start = time.perf_counter()
+            threads = [threading.Thread(target=party, args=(r,)) for r in range(self.world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - start
+            if errors:
+                raise errors[0]
+            cost = self._read_cost(offset) if self.profile else None
+        outs = [Shared(list(per_rank), None, None, vis)
+                for per_rank, vis in zip(zip(*results), program.out_visibility)]
+        return jax.tree_util.tree_unflatten(program.out_tree, outs), cost, wall
+
+    def _log_size(self) -> int:
+        path = self._log_path
+        return os.path.getsize(path) if path and os.path.exists(path) else 0
+
+    def _read_cost(self, offset: int, timeout: float = 5.0) -> RunCost:
+        # spdlog writes from the runtime's thread; wait until the closing link line is there.
+        deadline = time.time() + timeout
+        while True:
+            with open(self._log_path, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode("utf-8", "replace")
+            runs = parse_profile_log(text)
+            if runs and "Link details" in text.split("[Profiling] SPU execution")[-1]:
+                return runs[-1]
+            if time.time() > deadline:
+                raise RuntimeError(f"no SPU profile found in {self._log_path} after a run")
+            time.sleep(0.05)
+
+
+def output_visibility(ir: str) -> list[str]:
+    """SECRET/PUBLIC per output of a compiled pphlo module (from `func @main`'s result types)."""
+    sig = next(line for line in ir.splitlines() if "func.func @main" in line)
+    results = sig.split(") -> ", 1)[1].rsplit("{", 1)[0].strip()
+    if results.startswith("("):
+        results = results[1:-1]
+    types = _split_types(results)
+    return [SECRET if "secret" in t else PUBLIC for t in types]
+
+
+def _split_types(text: str) -> list[str]:
+    """Split a comma-separated list of MLIR types, respecting <...> nesting."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "<") - (ch == ">")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def make_backend(name: str, config: MPCConfig | None = None, profile: bool = True):
+    """`xla` (plaintext) or `spu_sim` (SPU protocols, in-process parties)."""
+    if name == "xla":
+        return XLABackend()
+    if name == "spu_sim":
+        return SpuSimBackend(config or MPCConfig(), profile=profile)
+    raise ValueError(f"unknown backend {name!r}; use one of {BACKENDS}")
