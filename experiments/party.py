@@ -1,0 +1,65 @@
+"""One party of a multi-host secure run: `python -m experiments.party --node_config=FILE --party=ID`.
+
+Run the same command with each party's id on its host (see experiments/nodes/*.json for the
+config format). `--party=all` starts every party of a loopback config as local processes,
+waits for them and tears them down (what `experiments.run --backend=spu_nodes` does).
+Exit status: 0 success, 2 malformed config, 3 another party failed (named in the message),
+1 anything else.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+from absl import app, flags
+
+flags.DEFINE_string("node_config", None, "Node config JSON (experiments/nodes/*.json).")
+flags.DEFINE_string("party", None, "This party's node id (a key of 'nodes'), or 'all' for loopback.")
+flags.DEFINE_string("output_dir", "results/nodes", "SPU logs, results.jsonl, outputs.npz.")
+flags.DEFINE_string("job", None, 'JSON overrides of the config\'s "job" (with --party=all), '
+                    'e.g. \'{"policy": "full"}\'.')
+flags.mark_flags_as_required(["node_config", "party"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    who = FLAGS.party
+    try:
+        from mpcache_jax.distributed import (EXIT_CONFIG, EXIT_PEER, JobFailed, NodeConfigError,
+                                             PartyFailure, load_node_config, run_loopback,
+                                             run_party)
+    except Exception as err:  # noqa: BLE001 - a broken install must still say why
+        traceback.print_exc()
+        print(f"[party {who}] error: cannot import the launcher: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    try:
+        if who == "all":
+            overrides = json.loads(FLAGS.job) if FLAGS.job else {}
+            for record in run_loopback(FLAGS.node_config, FLAGS.output_dir, **overrides):
+                print(json.dumps(record))
+            return 0
+        config = load_node_config(FLAGS.node_config, party=who)
+        if FLAGS.job:
+            raise NodeConfigError("--job overrides are for --party=all only: every party must "
+                                  "read the same job, so edit the node config instead")
+        record = run_party(config, who, FLAGS.output_dir)
+        if record is not None:
+            print(json.dumps(record))
+        return 0
+    except NodeConfigError as err:
+        print(f"[party {who}] error: bad node config: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    except (PartyFailure, JobFailed) as err:
+        print(f"[party {who}] error: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PEER)
+    except Exception as err:  # noqa: BLE001 - a party must always exit non-zero with a reason
+        traceback.print_exc()
+        print(f"[party {who}] error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)

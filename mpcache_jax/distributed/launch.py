@@ -1,0 +1,172 @@
+"""Loopback launcher: every party of a node config as a local process, run, collect, tear down.
+
+    records = run_loopback("experiments/nodes/3pc_aby3.json", output_dir="results/nodes",
+                           policy="full")
+
+Each party is `python -m experiments.party --node_config=... --party=ID` with its own log
+file; the job succeeds only if every party exits 0 and the prompt owner wrote its record. On
+any failure the remaining parties get `link.recv_timeout_s` (+ a grace period) to exit on
+their own, then are killed; the raised `JobFailed` names the failing party (from the parties'
+own diagnoses) and quotes each party's last message. No child outlives the call.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from mpcache_jax.distributed.config import (NodeConfig, NodeConfigError, load_node_config,
+                                            parse_node_config)
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+GRACE_S = 5.0
+
+
+class JobFailed(RuntimeError):
+    """A multi-party job failed; `party` is the party the others blame (None if unknown)."""
+
+    def __init__(self, message: str, party: str | None, exit_codes: dict[str, int | None]):
+        super().__init__(message)
+        self.party, self.exit_codes = party, exit_codes
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports free on 127.0.0.1 right now."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def prepare_config(node_config: str | os.PathLike, output_dir: pathlib.Path,
+                   use_free_ports: bool = False, **job_overrides) -> tuple[NodeConfig, pathlib.Path]:
+    """Validate `node_config` (+ job overrides) for loopback and write the effective config to
+    `output_dir/node_config.json` (TLS paths made absolute) — the file every party reads."""
+    source = pathlib.Path(node_config)
+    load_node_config(source)  # the file as given must be valid on its own
+    raw = json.loads(source.read_text())
+    raw.setdefault("job", {}).update(job_overrides)
+    for pid, address in raw["nodes"].items():
+        host = address.rpartition(":")[0]
+        if host not in LOOPBACK_HOSTS:
+            raise NodeConfigError(f"nodes[{pid!r}]={address!r} is not a loopback address: the "
+                                  "loopback launcher starts every party on this machine; on "
+                                  "several hosts run `python -m experiments.party` on each")
+    if use_free_ports:
+        for pid, port in zip(list(raw["nodes"]), free_ports(len(raw["nodes"]))):
+            raw["nodes"][pid] = f"127.0.0.1:{port}"
+    spu_dev = next(d for d in raw["devices"].values() if d.get("kind") == "SPU")
+    tls = spu_dev["config"].get("link", {}).get("tls")
+    if tls:
+        def absolute(p):
+            return p if os.path.isabs(p) else str((source.parent / p).resolve())
+        tls["ca"] = absolute(tls["ca"])
+        for entry in tls["certs"].values():
+            entry["cert"], entry["key"] = absolute(entry["cert"]), absolute(entry["key"])
+    config = parse_node_config(raw, base_dir=source.parent)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / "node_config.json"
+    path.write_text(json.dumps(raw, indent=2))
+    return config, path
+
+
+def _last_line(path: pathlib.Path, marker: str) -> str:
+    try:
+        lines = [l for l in path.read_text(errors="replace").splitlines() if marker in l]
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def start_parties(config: NodeConfig, config_path: pathlib.Path, output_dir: pathlib.Path,
+                  env: dict | None = None) -> dict[str, subprocess.Popen]:
+    """Start one `experiments.party` process per party (own session, so it can be killed
+    with its children); stdout+stderr go to output_dir/party_<id>.log."""
+    procs = {}
+    for pid in config.party_ids:
+        tag = pid.replace(":", "_")
+        logf = open(output_dir / f"party_{tag}.log", "w")
+        procs[pid] = subprocess.Popen(
+            [sys.executable, "-m", "experiments.party", f"--node_config={config_path}",
+             f"--party={pid}", f"--output_dir={output_dir}"],
+            cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})})
+        logf.close()
+    return procs
+
+
+def wait_parties(config: NodeConfig, procs: dict[str, subprocess.Popen],
+                 output_dir: pathlib.Path, timeout_s: float) -> None:
+    """Wait for every party; raise JobFailed (after tearing the rest down) unless all exit 0."""
+    deadline = time.monotonic() + timeout_s
+    first_failure: float | None = None
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            now = time.monotonic()
+            if first_failure is None and any(p.poll() not in (None, 0) for p in procs.values()):
+                first_failure = now
+            late = first_failure is not None and (
+                now - first_failure > config.link.recv_timeout_s + GRACE_S)
+            if now > deadline or late:
+                break
+            time.sleep(0.05)
+    finally:
+        timed_out = [pid for pid, p in procs.items() if p.poll() is None]
+        for p in procs.values():
+            _kill(p)
+    codes = {pid: p.returncode for pid, p in procs.items()}
+    if all(c == 0 for c in codes.values()):
+        return
+    messages = {pid: _last_line(output_dir / f"party_{pid.replace(':', '_')}.log", "] error: ")
+                for pid in procs}
+    # The party the others blame ("party X ... died ..."), else the first that failed.
+    blamed = [pid for pid in config.party_ids
+              if any(f"party {pid} " in m for other, m in messages.items() if other != pid)]
+    culprit = blamed[0] if blamed else next((pid for pid in config.party_ids
+                                             if codes[pid] not in (0, 3)), None)
+    lines = [f"  {pid}: exit {codes[pid] if pid not in timed_out else 'killed (still running)'}"
+             f"{' - ' + messages[pid] if messages[pid] else ''}" for pid in config.party_ids]
+    head = (f"secure job failed: party {culprit} failed" if culprit
+            else "secure job failed")
+    if timed_out and not first_failure:
+        head += f" (no result within job.timeout_s={timeout_s:g} s)"
+    raise JobFailed(head + "\n" + "\n".join(lines) + f"\n  logs: {output_dir}", culprit, codes)
+
+
+def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike | None = None,
+                 use_free_ports: bool = False, **job_overrides) -> list[dict]:
+    """Run a node config's job with every party as a local process -> [the aggregated record].
+
+    `job_overrides` replace keys of the config's "job" (policy=..., seq_len=..., budget=...).
+    Raises NodeConfigError before starting anything if the config is malformed, JobFailed if
+    any party fails (no partial result is returned).
+    """
+    out = pathlib.Path(output_dir or tempfile.mkdtemp(prefix="mpcache_nodes_"))
+    config, path = prepare_config(node_config, out, use_free_ports, **job_overrides)
+    results = out / "results.jsonl"
+    before = results.read_text().splitlines() if results.exists() else []
+    procs = start_parties(config, path, out)
+    wait_parties(config, procs, out, config.job.timeout_s)
+    after = results.read_text().splitlines() if results.exists() else []
+    new = [json.loads(line) for line in after[len(before):]]
+    if len(new) != 1:
+        raise JobFailed(f"all parties exited 0 but the prompt owner wrote {len(new)} records to "
+                        f"{results}", config.prompt_owner, {})
+    return new

@@ -1,0 +1,279 @@
+"""One party of a secure run: link up, receive the program, share inputs, run, reveal, account.
+
+Every party runs `run_party(config, party_id)` (usually via `python -m experiments.party`).
+Sequence, identical on every host:
+  1. brpc link to every other party (mutual TLS when the config gives certificates);
+  2. the MODEL_OWNER compiles the job's program with SPU and sends the serialized executable
+     to every party; all parties compare its SHA-256 (all run the same program);
+  3. the MODEL_OWNER secret-shares the weights, the PROMPT_OWNER the prompt, one message per
+     peer (weights never leave the model owner in the clear);
+  4. every party runs the executable on its shares;
+  5. output shares go to the PROMPT_OWNER only, who reconstructs the generated tokens;
+  6. parties exchange their own profiled cost (from their own SPU log); the PROMPT_OWNER
+     writes the aggregated record.
+A peer that is dead, hung or unreachable surfaces as a `PartyFailure` naming it, raised within
+`link.recv_timeout_s` (connection setup: within the link's retry budget).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import pickle
+import re
+import sys
+import time
+
+import numpy as np
+
+from mpcache_jax.distributed.config import NodeConfig
+from mpcache_jax.distributed import costs, job as job_lib
+
+EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_PEER = 0, 1, 2, 3
+
+
+class PartyFailure(RuntimeError):
+    """Another party died, hung, could not be reached or misbehaved; `party` names it."""
+
+    def __init__(self, party: str | None, message: str):
+        super().__init__(message)
+        self.party = party
+
+
+def log(party_id: str, message: str) -> None:
+    print(f"[party {party_id}] {message}", file=sys.stderr, flush=True)
+
+
+# ----- link ---------------------------------------------------------------------------------
+
+def link_desc(config: NodeConfig, party_id: str):
+    """spu.link.Desc for this config; TLS options from the config (own cert, shared CA)."""
+    from spu import link
+    desc = link.Desc()
+    desc.id = config.id
+    for pid, address in config.parties:
+        desc.add_party(pid, address)
+    opts = config.link
+    desc.recv_timeout_ms = int(opts.recv_timeout_s * 1000)
+    desc.connect_retry_times = opts.connect_retry_times
+    desc.connect_retry_interval_ms = opts.connect_retry_interval_ms
+    desc.http_timeout_ms = opts.http_timeout_ms
+    if opts.tls is not None:
+        mine = opts.tls.certs[party_id]
+        desc.enable_ssl = True
+        # Both directions: servers verify clients and clients verify servers (mutual TLS).
+        for side in (desc.server_ssl_opts, desc.client_ssl_opts):
+            side.cert.certificate_path = mine.cert
+            side.cert.private_key_path = mine.key
+            side.verify.ca_file_path = opts.tls.ca
+            side.verify.verify_depth = opts.tls.verify_depth
+    return desc
+
+
+def failing_peer(config: NodeConfig, my_rank: int, err: BaseException) -> str | None:
+    """The party an SPU/yacl link error points at (`rank=N`, or the other end of `a->b`)."""
+    text = str(err)
+    m = re.search(r"rank=(\d+)", text)
+    if m:
+        rank = int(m.group(1))
+    else:
+        m = re.search(r"(\d+)->(\d+)", text)
+        if not m:
+            return None
+        src, dst = int(m.group(1)), int(m.group(2))
+        rank = src if dst == my_rank else dst
+    return config.party_ids[rank] if 0 <= rank < config.world_size else None
+
+
+def explain_link_error(config: NodeConfig, party_id: str, stage: str,
+                       err: BaseException) -> PartyFailure:
+    peer = failing_peer(config, config.rank(party_id), err)
+    first = str(err).strip().splitlines()
+    detail = " ".join(line.strip() for line in first[:2])[:300]
+    if peer is None:
+        return PartyFailure(None, f"{stage} failed: {detail}")
+    timeout = config.link.recv_timeout_s
+    if "connect" in str(err) and stage == "link setup":
+        why = (f"could not be reached at {config.address(peer)} (tried "
+               f"{config.link.connect_retry_times + 1} times); is it running, is the port open, "
+               "do the TLS certificates match?")
+    else:
+        why = (f"sent nothing for {timeout:g} s or dropped the connection: it died, hung or "
+               "became unreachable")
+    return PartyFailure(peer, f"party {peer} {why} [during {stage}; {detail}]")
+
+
+class Channel:
+    """Byte messages between parties over the brpc link; errors name the failing peer."""
+
+    def __init__(self, config: NodeConfig, party_id: str, ctx):
+        self.config, self.party_id, self.ctx = config, party_id, ctx
+        self.rank = config.rank(party_id)
+
+    def _guard(self, stage: str, fn, *args):
+        try:
+            return fn(*args)
+        except RuntimeError as err:
+            raise explain_link_error(self.config, self.party_id, stage, err) from None
+
+    def send(self, peer: str, payload: bytes, stage: str) -> None:
+        self._guard(stage, self.ctx.send, self.config.rank(peer), payload)
+
+    def recv(self, peer: str, stage: str) -> bytes:
+        return self._guard(stage, self.ctx.recv, self.config.rank(peer))
+
+    def all_gather(self, payload: str, stage: str) -> list[str]:
+        got = self._guard(stage, self.ctx.all_gather, payload)
+        return [g.decode() if isinstance(g, bytes) else g for g in got]
+
+
+def connect(config: NodeConfig, party_id: str) -> Channel:
+    from spu import link
+    try:
+        ctx = link.create_brpc(link_desc(config, party_id), config.rank(party_id))
+    except RuntimeError as err:
+        raise explain_link_error(config, party_id, "link setup", err) from None
+    return Channel(config, party_id, ctx)
+
+
+# ----- logging / profile --------------------------------------------------------------------
+
+def setup_spu_log(path: pathlib.Path) -> None:
+    """Route this process's SPU log (per-op profile, link totals) to `path`."""
+    import spu.libspu as libspu
+    opts = libspu.logging.LogOptions()
+    opts.enable_console_logger = False
+    opts.system_log_path = str(path)
+    libspu.logging.setup_logging(opts)
+
+
+# ----- the run ------------------------------------------------------------------------------
+
+def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) -> dict | None:
+    """Run this party's side of the job. Returns the aggregated cost record on the prompt
+    owner (also written to `output_dir/results.jsonl`, tokens in `output_dir/outputs.npz`),
+    None elsewhere. Raises PartyFailure naming the peer when another party fails."""
+    import spu
+    from mpcache_jax.mpc.backends import SECRET, make_backend
+
+    out = pathlib.Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = party_id.replace(":", "_")
+    log_path = out / f"spu_{tag}.log"
+    setup_spu_log(log_path)
+    rank, world = config.rank(party_id), config.world_size
+    is_model, is_client = party_id == config.model_owner, party_id == config.prompt_owner
+    job = config.job
+    program = job_lib.build_program(job)
+    t_start = time.perf_counter()
+
+    # 2. program: compiled by the model owner (it holds the weights' shapes and values), before
+    # the link is up so that peers wait in connection retries rather than in a receive.
+    if is_model:
+        params = job_lib.load_weights(job)
+        backend = make_backend("spu_sim", config.mpc, profile=False)
+        prompt_shape = np.zeros(job.seq_len, np.int32)
+        compiled = backend.compile(program, (params, prompt_shape), (SECRET, SECRET))
+        blob = compiled.executable.SerializeToString()
+        log(party_id, f"compiled the program in {time.perf_counter() - t_start:.1f} s")
+
+    chan = connect(config, party_id)
+    log(party_id, f"link up ({world} parties, {'TLS' if config.link.tls else 'plain TCP'})")
+    if is_model:
+        for peer in config.party_ids:
+            if peer != party_id:
+                chan.send(peer, blob, "sending the compiled program")
+    else:
+        blob = chan.recv(config.model_owner, "receiving the compiled program")
+    digests = chan.all_gather(hashlib.sha256(blob).hexdigest(), "program check")
+    if len(set(digests)) != 1:
+        raise PartyFailure(None, "parties received different programs: "
+                                 f"{[d[:12] for d in digests]}")
+    executable = spu.Executable()
+    executable.ParseFromString(blob)
+    t_program = time.perf_counter()
+    log(party_id, f"program {digests[0][:12]} ({len(blob)} bytes)")
+
+    # 3. inputs: weights leaves (model owner) then the prompt (prompt owner).
+    runtime_cfg = config.mpc.runtime_config(profile=True)
+    io = spu.Io(world, runtime_cfg)
+    runtime = spu.Runtime(chan.ctx, runtime_cfg)
+    n_inputs = len(executable.input_names)
+    owners = [config.model_owner] * (n_inputs - 1) + [config.prompt_owner]
+    my_values = []
+    if is_model:
+        import jax
+        my_values = [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+        if len(my_values) != n_inputs - 1:
+            raise PartyFailure(None, f"the program takes {n_inputs - 1} weight arrays, the model "
+                                     f"owner has {len(my_values)}")
+    if is_client:
+        my_values = [job_lib.load_prompt(job, program.model.cfg.vocab_size)]
+    my_names = [n for n, o in zip(executable.input_names, owners) if o == party_id]
+    if my_values:
+        per_peer = [[] for _ in range(world)]
+        for value in my_values:
+            shares = io.make_shares(value, spu.Visibility.VIS_SECRET, owner_rank=rank)
+            for r in range(world):
+                per_peer[r].append(shares[r])
+        for peer in config.party_ids:
+            if peer != party_id:
+                chan.send(peer, pickle.dumps(per_peer[config.rank(peer)]), "sending input shares")
+        for name, share in zip(my_names, per_peer[rank]):
+            runtime.set_var(name, share)
+    for owner in (config.model_owner, config.prompt_owner):
+        if owner == party_id:
+            continue
+        shares = pickle.loads(chan.recv(owner, f"receiving {owner}'s input shares"))
+        names = [n for n, o in zip(executable.input_names, owners) if o == owner]
+        if len(shares) != len(names):
+            raise PartyFailure(owner, f"party {owner} sent {len(shares)} input shares, the "
+                                      f"program expects {len(names)}")
+        for name, share in zip(names, shares):
+            runtime.set_var(name, share)
+    t_inputs = time.perf_counter()
+    log(party_id, "inputs shared; running")
+
+    # 4. the secure program.
+    log_offset = log_path.stat().st_size if log_path.exists() else 0
+    t0 = time.perf_counter()
+    try:
+        runtime.run(executable)
+    except RuntimeError as err:
+        raise explain_link_error(config, party_id, "the secure run", err) from None
+    run_s = time.perf_counter() - t0
+    log(party_id, f"secure run done in {run_s:.3f} s")
+
+    # 5. reveal to the prompt owner only.
+    my_out = [runtime.get_var(name) for name in executable.output_names]
+    revealed = None
+    if is_client:
+        gathered = {party_id: my_out}
+        for peer in config.party_ids:
+            if peer != party_id:
+                gathered[peer] = pickle.loads(chan.recv(peer, "receiving output shares"))
+        revealed = [io.reconstruct([gathered[p][i] for p in config.party_ids])
+                    for i in range(len(my_out))]
+    else:
+        chan.send(config.prompt_owner, pickle.dumps(my_out), "sending output shares")
+
+    # 6. costs: each party's own profile, gathered everywhere, recorded by the prompt owner.
+    mine = costs.party_cost(log_path, log_offset, party_id, rank, run_s,
+                            setup_s={"link_and_program": t_program - t_start,
+                                     "input_sharing": t_inputs - t_program})
+    gathered_costs = [json.loads(b) for b in chan.all_gather(json.dumps(mine),
+                                                             "exchanging costs")]
+    chan.ctx.stop_link()
+    if not is_client:
+        return None
+    tokens = np.asarray(revealed[0]).astype(np.int64)
+    arrays = {"tokens": tokens}
+    if job.reveal_logits:
+        arrays["logits"] = np.asarray(revealed[1])
+    np.savez(out / "outputs.npz", **arrays)
+    record = costs.node_record(config, gathered_costs, tokens.tolist())
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    log(party_id, f"tokens {tokens.tolist()}; record appended to {out / 'results.jsonl'}")
+    return record
