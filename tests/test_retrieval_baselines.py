@@ -187,9 +187,9 @@ def test_pq_codes_reconstruct_keys_better_than_random_codes():
     k = jnp.asarray(rng.randn(2, 200, 8), jnp.float32)
     centroids, codes = pq_encode(k, subspaces=2, bits=3, iters=10)
     assert centroids.shape == (2, 2, 8, 4) and codes.shape == (2, 2, 200)
-    err = float(jnp.mean((pq_reconstruct(centroids, codes) - k) ** 2))
+    err = float(jnp.mean((pq_reconstruct(centroids, codes, 8) - k) ** 2))
     random_codes = jnp.asarray(rng.randint(0, 8, size=codes.shape), jnp.int32)
-    err_random = float(jnp.mean((pq_reconstruct(centroids, random_codes) - k) ** 2))
+    err_random = float(jnp.mean((pq_reconstruct(centroids, random_codes, 8) - k) ** 2))
     _, codes_1 = pq_encode(k, subspaces=2, bits=3, iters=1)
     assert err < 0.5 * err_random
     # Codes are the nearest centroids: no other code reconstructs a sub-vector better.
@@ -218,7 +218,7 @@ def test_pqcache_scores_window_and_new_codes():
     index = state.extras
     # Approximate score of token j = q . (PQ reconstruction of k_j).
     q = jnp.asarray(rng.randn(1, 4), jnp.float32)
-    recon = pq_reconstruct(index.centroids, index.codes)[0]
+    recon = pq_reconstruct(index.centroids, index.codes, 4)[0]
     np.testing.assert_allclose(policy.page_scores(q[None], index, lay)[0], recon @ q[0], rtol=1e-5,
                                atol=1e-5)
     # The local window slides: after g generated tokens the last max(3 - g, 0) prompt

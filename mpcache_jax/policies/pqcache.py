@@ -24,19 +24,27 @@ from mpcache_jax import primitives as P
 from mpcache_jax.policies.quest import PageSelectionPolicy
 
 
+def split_subspaces(x: jax.Array, subspaces: int) -> jax.Array:
+    """[..., d] -> [..., m, ceil(d/m)] (the last sub-space zero-padded when m does not divide
+    d; zero channels change neither distances nor dot products)."""
+    d = x.shape[-1]
+    width = -(-d // subspaces)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width * subspaces - d)])
+    return x.reshape(*x.shape[:-1], subspaces, width)
+
+
 def pq_encode(k: jax.Array, subspaces: int, bits: int, iters: int):
-    """k: [H_kv, N, d] -> (centroids [H_kv, m, 2^b, d/m], codes int32 [H_kv, m, N])."""
-    Hkv, N, d = k.shape
-    parts = k.reshape(Hkv, N, subspaces, d // subspaces).transpose(0, 2, 1, 3)
+    """k: [H_kv, N, d] -> (centroids [H_kv, m, 2^b, ceil(d/m)], codes int32 [H_kv, m, N])."""
+    parts = split_subspaces(k, subspaces).transpose(0, 2, 1, 3)             # [H_kv, m, N, d/m]
     return P.kmeans(parts, num_centroids=2 ** bits, iters=iters)
 
 
-def pq_reconstruct(centroids: jax.Array, codes: jax.Array) -> jax.Array:
+def pq_reconstruct(centroids: jax.Array, codes: jax.Array, d: int) -> jax.Array:
     """Inverse of pq_encode up to quantization: -> [H_kv, N, d]."""
     onehot = P.indices_onehot(codes, centroids.shape[-2], centroids.dtype)   # [H_kv, m, N, K]
     parts = jnp.einsum("kmnc,kmcd->kmnd", onehot, centroids)
     Hkv, m, N, dm = parts.shape
-    return parts.transpose(0, 2, 1, 3).reshape(Hkv, N, m * dm)
+    return parts.transpose(0, 2, 1, 3).reshape(Hkv, N, m * dm)[..., :d]
 
 
 @flax.struct.dataclass
@@ -83,16 +91,12 @@ class PQCache(PageSelectionPolicy):
         return lay
 
     def digest(self, layer, k_mid, valid_mid, q, lay, new_capacity):
-        if k_mid.shape[-1] % self.subspaces:
-            raise ValueError(f"head_dim {k_mid.shape[-1]} is not divisible into "
-                             f"{self.subspaces} sub-spaces; choose subspaces dividing it")
         centroids, codes = pq_encode(k_mid, self.subspaces, self.bits, self.kmeans_iters)
         new_codes = jnp.zeros(codes.shape[:2] + (new_capacity,), jnp.int32)
         return PQIndex(centroids, codes, new_codes)
 
     def page_scores(self, qg, extras, lay):
-        Hkv, _, d = qg.shape
-        q_parts = jnp.sum(qg, axis=1).reshape(Hkv, self.subspaces, d // self.subspaces)
+        q_parts = split_subspaces(jnp.sum(qg, axis=1), self.subspaces)       # [H_kv, m, d/m]
         per_centroid = jnp.einsum("kmd,kmcd->kmc", q_parts, extras.centroids)
         onehot = P.indices_onehot(extras.codes, extras.centroids.shape[-2], qg.dtype)
         return jnp.einsum("kmnc,kmc->kn", onehot, per_centroid)
@@ -105,8 +109,7 @@ class PQCache(PageSelectionPolicy):
 
     def after_select(self, state, mask, k_new, lay):
         index = state.extras
-        Hkv, d = k_new.shape
-        parts = k_new.reshape(Hkv, self.subspaces, 1, d // self.subspaces)
+        parts = split_subspaces(k_new, self.subspaces)[:, :, None, :]        # [H_kv, m, 1, d/m]
         code = P.nearest_centroid(parts, index.centroids)                     # [H_kv, m, 1]
         slot = state.new.length - 1
         new_codes = jax.lax.dynamic_update_slice(index.new_codes, code, (0, 0, slot))
