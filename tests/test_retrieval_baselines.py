@@ -251,6 +251,6 @@ def test_config_validation(make, match):
 
 def test_ratio_budget_checked_against_the_prompt(tiny):
     model, params, tokens = tiny
-    policy = make_policy("infllm", 0.5)        # 60 of 120 tokens: no block of 128 fits
+    policy = InfLLM(budget=0.5)                # 60 of 120 tokens: no block of 128 fits
     with pytest.raises(ValueError, match="raise the budget or lower page_size"):
         _run(model, params, tokens, policy, 120, 1)
