@@ -77,7 +77,7 @@ def test_compiles_once_with_eviction(tiny, name):
 
 # --- budget probe -------------------------------------------------------------------------
 LAYERS, HEADS, KV_HEADS, PROMPT, STEPS = 4, 4, 2, 200, 3
-DIM = PROMPT + STEPS
+DIM = 208                      # >= PROMPT + STEPS, divisible by small sub-space counts
 
 
 @functools.partial(jax.jit, static_argnames="policy")
