@@ -127,6 +127,11 @@ class PromptEvictionPolicy(AttentionPolicy):
         scores, carry = self.keep_scores(layer, q, k, prompt_len, carry)
         return P.topk_mask(scores, count, forced=forced, method=self.topk_method), carry
 
+    def compress_carry(self, cache, aux: PrefillAux) -> Any:
+        """Initial carry of the per-layer keep_scores/keep_mask loop (None by default; a policy
+        that ranks with statistics of every layer computes them here)."""
+        return None
+
     # --- shared machinery ------------------------------------------------------------------
     def kept_count(self, prompt_len: int) -> int:
         return P.budget_tokens(self.budget, prompt_len)
@@ -146,7 +151,7 @@ class PromptEvictionPolicy(AttentionPolicy):
         count = self.kept_count(T)
         capacity = self.region_capacity(T)
         forced = self.forced_keep(T, count)
-        carry = None
+        carry = self.compress_carry(cache, aux)
         out = []
         for index, layer in enumerate(cache):
             k, v = prompt_kv(layer, T)
