@@ -1,7 +1,7 @@
 """Flags of `python -m experiments.run` (one definition, shared by every experiment)."""
 from absl import flags
 
-EXPERIMENTS = ("generate", "accuracy")
+EXPERIMENTS = ("generate", "accuracy", "mpc_cost")
 
 flags.DEFINE_enum("experiment", "generate", EXPERIMENTS, "Which experiment to run.")
 # Model
@@ -34,6 +34,31 @@ flags.DEFINE_string("data_path", None, "Text file (ppl) or LongBench-format JSON
 flags.DEFINE_enum("metric", None, ["contains", "exact", "qa_f1", "rouge_l"],
                   "LongBench metric (default: by dataset name).")
 flags.DEFINE_integer("ppl_target_len", 64, "Tokens scored after each ppl prefix.")
+# Model numerics
+flags.DEFINE_enum("activation_impl", "exact", ["exact", "poly"],
+                  "MLP activation: exact (jax.nn) or piecewise polynomial (MPC-friendly).")
+# Secure inference (mpc_cost)
+flags.DEFINE_enum("backend", "spu_sim", ["xla", "spu_sim"],
+                  "xla = plaintext; spu_sim = SPU protocols with in-process parties.")
+flags.DEFINE_string("protocol", None,
+                    "MPC protocol(s), comma-separated: ABY3 (3PC), SEMI2K (2PC), CHEETAH (2PC). "
+                    "Overrides the protocol of --runtime_config.")
+flags.DEFINE_string("runtime_config", None,
+                    "SPU RuntimeConfig as a JSON file or text (field, fxp_fraction_bits, "
+                    "fxp_exp_mode, ...), optionally wrapped as {runtime_config, parties}.")
+flags.DEFINE_list("seq_lens", ["512", "1024", "2048"], "Cache lengths (prompt tokens) to cost.")
+flags.DEFINE_enum("mpc_bench", "decode", ["decode", "gather", "topk"],
+                  "decode: per-token decode cost per policy; gather: Table 2; topk: lax vs rank.")
+flags.DEFINE_enum("topk_method", "auto", ["auto", "lax", "rank"],
+                  "Top-k for policies that have one; auto = the cheaper one per protocol.")
+flags.DEFINE_integer("mpc_share_from", None,
+                     "Override MPCache's share_from (0 shows cross-layer sharing in 2-layer runs).")
+flags.DEFINE_integer("no_cache_max_len", 512, "Longest cache length costed for no_cache.")
+flags.DEFINE_integer("gather_tokens", 1024, "Table 2: tokens T.")
+flags.DEFINE_integer("gather_clusters", 64, "Table 2: clusters C.")
+flags.DEFINE_integer("gather_dim", 128, "Table 2: key dimension d.")
+flags.DEFINE_integer("topk_rows", 32, "topk bench: rows (heads) ranked in one call.")
+flags.DEFINE_list("topk_sizes", ["16", "32", "64", "128", "256"], "topk bench: candidates N.")
 # Output
 flags.DEFINE_string("output_dir", None, "Directory for results.jsonl (and plots, summaries).")
 

@@ -27,6 +27,9 @@ def dispatch():
     if FLAGS.experiment == "accuracy":
         from experiments import accuracy
         return accuracy.run(FLAGS)
+    if FLAGS.experiment == "mpc_cost":
+        from experiments import mpc_cost
+        return mpc_cost.run(FLAGS)
     raise app.UsageError(f"unknown experiment {FLAGS.experiment!r}")
 
 

@@ -229,6 +229,17 @@ class DecoderLM(nn.Module):
             x = block.finish(x, out)
         return self.lm_head(self.final_norm(x))
 
+    def forward_hidden(self, tokens):
+        """Whole-sequence forward through the decoder layers without a cache -> residual stream
+        of the last position [1, D] (the no-KV-cache decode step of cost runs)."""
+        positions = jnp.arange(tokens.shape[0])
+        x = self._embed(tokens, positions)
+        for block in self.layers:
+            q, k, v = block.qkv(x, positions)
+            out, _ = attention.causal_attention(q, k, v)
+            x = block.finish(x, out)
+        return x[-1:]
+
     def prefill(self, tokens, cache, return_queries: bool, all_logits: bool):
         """tokens: [T] (or one-hot [T, V]); cache: per-layer LayerKV of capacity >= T (empty).
 
@@ -251,6 +262,12 @@ class DecoderLM(nn.Module):
     def decode(self, token, pos, cache, policy: AttentionPolicy):
         """token: int32 [] (or one-hot [V]); pos: int32 [] absolute position (public under MPC:
         RoPE tables and cache slots derive from it). Returns (logits [V], cache)."""
+        x, new_cache = self.decode_hidden(token, pos, cache, policy)
+        return self.lm_head(self.final_norm(x))[0], new_cache
+
+    def decode_hidden(self, token, pos, cache, policy: AttentionPolicy):
+        """`decode` without the final norm and LM head: (residual stream [1, D], cache).
+        Cost runs measure the decoder layers apart from the policy-independent LM head."""
         positions = jnp.reshape(pos, (1,))
         x = self._embed(jnp.reshape(token, (1,) + token.shape), positions)
         carry = policy.init_carry()
@@ -260,7 +277,11 @@ class DecoderLM(nn.Module):
             out, state, carry = policy.attend(index, q[:, 0], k[:, 0], v[:, 0], state, carry)
             x = block.finish(x, out[:, None, :])
             new_cache.append(state)
-        return self.lm_head(self.final_norm(x))[0], tuple(new_cache)
+        return x, tuple(new_cache)
+
+    def lm_logits(self, x):
+        """Final norm + LM head of a residual stream [T, D] -> logits [T, V]."""
+        return self.lm_head(self.final_norm(x))
 
 
 def param_count(params) -> int:

@@ -13,17 +13,19 @@ lists any secret->public conversion inside a compiled program; `parse_profile_lo
 profiling log; `LAN` / `WAN` network profiles.
 """
 from mpcache_jax.mpc.backends import (BACKENDS, CLIENT, PUBLIC, SECRET, SERVER, Program, Shared,
-                                      SpuSimBackend, XLABackend, make_backend)
+                                      SpuSimBackend, XLABackend, dependency_visibility,
+                                      make_backend)
 from mpcache_jax.mpc.config import MPCConfig, MPCConfigError, from_json
 from mpcache_jax.mpc.costs import (LAN, WAN, NetworkProfile, RunCost, cost_fields,
                                    parse_profile_log, phase_breakdown)
-from mpcache_jax.mpc.secure import (SecureSession, cache_visibility, decode_fn, forward_fn,
-                                    onehot, prefill_fn, secret_reveals)
+from mpcache_jax.mpc.secure import (SecureSession, cache_visibility, decode_fn,
+                                    decode_layers_fn, forward_fn, forward_layers_fn, head_fn, onehot, prefill_fn,
+                                    secret_reveals, steady_cache_visibility)
 
 __all__ = [
     "BACKENDS", "CLIENT", "PUBLIC", "SECRET", "SERVER", "Program", "Shared", "SpuSimBackend",
-    "XLABackend", "make_backend", "MPCConfig", "MPCConfigError", "from_json", "LAN", "WAN",
+    "XLABackend", "dependency_visibility", "make_backend", "MPCConfig", "MPCConfigError", "from_json", "LAN", "WAN",
     "NetworkProfile", "RunCost", "cost_fields", "parse_profile_log", "phase_breakdown",
-    "SecureSession", "cache_visibility", "decode_fn", "forward_fn", "onehot", "prefill_fn",
-    "secret_reveals",
+    "SecureSession", "cache_visibility", "decode_fn", "decode_layers_fn", "forward_fn", "forward_layers_fn",
+    "head_fn", "onehot", "prefill_fn", "secret_reveals", "steady_cache_visibility",
 ]

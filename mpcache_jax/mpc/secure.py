@@ -82,6 +82,32 @@ def decode_fn(model, policy: AttentionPolicy):
     return secure_decode
 
 
+def decode_layers_fn(model, policy: AttentionPolicy):
+    """(params, token_onehot [V], pos, cache) -> (hidden [1, D], cache): the decoder layers of
+    a decode step without the LM head (cost runs: the head does not depend on the policy)."""
+    def secure_decode_layers(params, token_onehot, pos, cache):
+        return model.module.apply({"params": params}, token_onehot, pos, cache, policy,
+                                  method=DecoderLM.decode_hidden)
+    return secure_decode_layers
+
+
+def forward_layers_fn(model):
+    """(params, tokens_onehot [T, V]) -> hidden [1, D] of the last position: the decoder layers
+    of a no-KV-cache decode step (recompute prompt + generated tokens)."""
+    def secure_forward_layers(params, tokens_onehot):
+        return model.module.apply({"params": params}, tokens_onehot,
+                                  method=DecoderLM.forward_hidden)
+    return secure_forward_layers
+
+
+def head_fn(model):
+    """(params, hidden [1, D]) -> (token, logits [V]): final norm, LM head, greedy argmax."""
+    def secure_head(params, hidden):
+        logits = model.module.apply({"params": params}, hidden, method=DecoderLM.lm_logits)[0]
+        return greedy(logits), logits
+    return secure_head
+
+
 def prefill_fn(model, policy: AttentionPolicy, max_new_tokens: int):
     """(params, prompt_onehot [T, V], empty cache) -> (token, logits [V], policy cache).
     Static eviction (`policy.compress`) runs inside the same program."""

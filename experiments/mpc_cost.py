@@ -1,0 +1,300 @@
+"""`--experiment=mpc_cost`: cost of secure decode steps (and of their building blocks) under MPC.
+
+Benchmarks (`--mpc_bench`):
+  decode  per-token decode cost of each policy at each cache length (Figure 10 / 11 analogs,
+          the oracle floor): the decoder layers of one decode step (`--num_layers` of them) run
+          under SPU on a cache prefilled in plaintext (cost does not depend on values) and
+          secret-shared; the policy-independent LM head + argmax is measured once as `lm_head`.
+          `no_cache` recomputes prompt + generated tokens through the layers each step.
+          `oracle` rows: attention to exactly the budgeted prompt tokens chosen publicly and for
+          free (StreamingLLM's positional choice, a selection without any secure computation).
+  gather  Table 2: token-level vs cluster-level one-hot gathers of 25% of the keys.
+  topk    lax.top_k vs pairwise-rank top-k on [heads, N] secret scores (Appendix B.5).
+Each run prints the ratios measured in that run and writes DIR/results.jsonl.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.common import ensure_dir, flag_values, git_commit, write_jsonl
+from mpcache_jax import mpc
+from mpcache_jax import primitives as P
+from mpcache_jax.generate import apply_policy
+from mpcache_jax.policies import make_policy
+from models import registry
+from models.model import Model
+
+# Cheaper top-k per protocol, measured by `--mpc_bench=topk` (experiments/flags/mpc_topk.flags):
+# the pairwise rank wins for the candidate counts MPCache scores (tens of clusters) under
+# every protocol; its N^2 comparisons lose to lax.top_k's sorting network beyond
+# RANK_MAX_CANDIDATES candidates per row (token-level selection over long caches).
+DEFAULT_TOPK_METHOD = {"ABY3": "rank", "SEMI2K": "rank", "CHEETAH": "rank"}
+RANK_MAX_CANDIDATES = 128
+ORACLE = "oracle"
+NEW_SLOTS = 8  # room for generated tokens in every policy's cache
+
+
+def mpc_config(FLAGS, protocol: str) -> mpc.MPCConfig:
+    if FLAGS.runtime_config:
+        return mpc.from_json(FLAGS.runtime_config, protocol=protocol)
+    return mpc.MPCConfig(protocol=protocol)
+
+
+def protocols(FLAGS) -> list[str]:
+    if FLAGS.backend == "xla":
+        return ["PLAINTEXT"]
+    if FLAGS.protocol:
+        return [p.strip().upper() for p in FLAGS.protocol.split(",") if p.strip()]
+    if FLAGS.runtime_config:
+        return [mpc.from_json(FLAGS.runtime_config).protocol]
+    return ["ABY3"]
+
+
+def topk_method_for(FLAGS, protocol: str, candidates: int) -> str:
+    if FLAGS.topk_method != "auto":
+        return FLAGS.topk_method
+    if candidates > RANK_MAX_CANDIDATES:
+        return "lax"
+    return DEFAULT_TOPK_METHOD.get(protocol, "lax")
+
+
+def build_policy(FLAGS, name: str, protocol: str, prompt_len: int):
+    """The registered policy with the benchmark's budget and per-protocol top-k method."""
+    budget = float(FLAGS.budgets[0]) if "." in FLAGS.budgets[0] else int(FLAGS.budgets[0])
+    if name == ORACLE:
+        return make_policy("streaming_llm", budget=budget), budget
+    policy = make_policy(name, budget=budget)
+    fields = {f.name for f in dataclasses.fields(policy)}
+    changes = {}
+    if "share_from" in fields and FLAGS.mpc_share_from is not None:
+        changes["share_from"] = FLAGS.mpc_share_from
+    if "topk_method" in fields:
+        # The largest candidate row the policy ranks: clusters of the kept region for
+        # clustered selection, tokens for token-level selection.
+        candidates = prompt_len
+        if hasattr(policy, "sizes") and hasattr(policy, "kept_count"):
+            candidates = -(-policy.kept_count(prompt_len) // policy.sizes[-1])
+        changes["topk_method"] = topk_method_for(FLAGS, protocol, candidates)
+    return (dataclasses.replace(policy, **changes) if changes else policy), budget
+
+
+def _record(FLAGS, bench, protocol, cfg, model_name, num_layers, policy_name, seq_len, cost,
+            wall, extra=None):
+    parties = cfg.parties if cfg else 1
+    fields = (mpc.cost_fields(cost, wall, parties) if cost is not None else
+              {"comm_bytes": 0, "messages": 0, "wall_s": round(wall, 4), "lan_latency_s": wall,
+               "wan_latency_s": wall, "phase_breakdown": {}})
+    rec = {"bench": bench, "policy": policy_name, "protocol": protocol,
+           "parties": parties, "seq_len": seq_len, "model": model_name,
+           "num_layers": num_layers, **fields, **(extra or {}),
+           "runtime_config": cfg.runtime_json() if cfg else None,
+           "git_commit": git_commit()}
+    return rec
+
+
+# ----- decode (Figures 10 / 11, limit) -------------------------------------------------------------
+def bench_decode(FLAGS, out_path):
+    loaded = registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
+                           seed=FLAGS.seed, num_layers=FLAGS.num_layers)
+    model = Model(loaded.model.cfg.replace(activation_impl=FLAGS.activation_impl))
+    params, cfgm = loaded.params, model.cfg
+    seq_lens = [int(t) for t in FLAGS.seq_lens]
+    rng = np.random.RandomState(FLAGS.seed)
+    records = []
+    for protocol in protocols(FLAGS):
+        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
+        backend = mpc.make_backend(FLAGS.backend, cfg)
+        session = mpc.SecureSession(backend, model, params, make_policy("full"))
+        # LM head + argmax: policy independent, once per protocol.
+        head = backend.compile(mpc.head_fn(model), (session._params_shape,
+                                                    np.zeros((1, cfgm.hidden_size), np.float32)),
+                               (mpc.SECRET, mpc.SECRET))
+        hidden = backend.share(rng.randn(1, cfgm.hidden_size).astype(np.float32) * 0.1, mpc.SECRET)
+        _, cost, wall = backend.run(head, session.params, hidden)
+        rec = _record(FLAGS, "decode", protocol, cfg, FLAGS.model, cfgm.num_layers, "lm_head", 0,
+                      cost, wall, {"scope": "lm_head"})
+        records.append(rec)
+        write_jsonl(out_path, [rec], append=True)
+        _print_row(rec)
+        for T in seq_lens:
+            prompt = rng.randint(0, cfgm.vocab_size, T)
+            need_queries = True
+            logits, dense, aux = model.prefill(params, list(prompt), model.init_cache(T + NEW_SLOTS),
+                                               return_queries=need_queries)
+            for name in FLAGS.policies:
+                policy, budget = build_policy(FLAGS, name, protocol, T)
+                label = name
+                extra = {"scope": "decoder_layers", "budget": budget,
+                         "topk_method": getattr(policy, "topk_method", None),
+                         "share_from": getattr(policy, "share_from", None)}
+                if policy.recomputes:
+                    if T > FLAGS.no_cache_max_len:
+                        print(f"  skip no_cache at {T} > --no_cache_max_len={FLAGS.no_cache_max_len}")
+                        continue
+                    args = (session._params_shape, np.zeros((T + 1, cfgm.vocab_size), np.float32))
+                    prog = backend.compile(mpc.forward_layers_fn(model), args,
+                                           (mpc.SECRET, mpc.SECRET))
+                    toks = backend.share(mpc.onehot(np.append(prompt, 1), cfgm.vocab_size),
+                                         mpc.SECRET, owner=mpc.CLIENT)
+                    _, cost, wall = backend.run(prog, session.params, toks)
+                else:
+                    cache = apply_policy(policy, dense, aux, NEW_SLOTS)
+                    example = jax.tree_util.tree_map(
+                        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
+                    # Which leaves are public: those the prefill derives from public data only
+                    # (masks of kept slots, counters), kept public through decode steps.
+                    pre_vis = mpc.dependency_visibility(
+                        lambda p, t, c: apply_policy_traced(policy, model, p, t, c),
+                        (session._params_shape,
+                         jax.ShapeDtypeStruct((T, cfgm.vocab_size), jnp.float32),
+                         model.init_cache(T + NEW_SLOTS)),
+                        (mpc.SECRET, mpc.SECRET, mpc.cache_visibility(model.init_cache(T + NEW_SLOTS))))
+                    vis = mpc.steady_cache_visibility(model, policy, session._params_shape, example,
+                                                      pre_vis)
+                    args = (session._params_shape, np.zeros((cfgm.vocab_size,), np.float32),
+                            np.int32(0), example)
+                    t0 = time.perf_counter()
+                    prog = backend.compile(mpc.decode_layers_fn(model, policy), args,
+                                           (mpc.SECRET, mpc.SECRET, mpc.PUBLIC, vis))
+                    extra["compile_s"] = round(time.perf_counter() - t0, 2)
+                    cache_sh = backend.share(cache, vis, owner=mpc.CLIENT)
+                    tok = backend.share(mpc.onehot(int(np.argmax(logits)), cfgm.vocab_size),
+                                        mpc.SECRET, owner=mpc.CLIENT)
+                    pos = backend.share(np.int32(T), mpc.PUBLIC)
+                    _, cost, wall = backend.run(prog, session.params, tok, pos, cache_sh)
+                    del cache_sh
+                rec = _record(FLAGS, "decode", protocol, cfg, FLAGS.model, cfgm.num_layers, label,
+                              T, cost, wall, extra)
+                records.append(rec)
+                write_jsonl(out_path, [rec], append=True)
+                _print_row(rec)
+            del dense
+    print_decode_ratios(records)
+    return records
+
+
+def apply_policy_traced(policy, model, params, prompt_onehot, cache):
+    """Prefill + compress as one traceable function (visibility analysis only)."""
+    return mpc.prefill_fn(model, policy, NEW_SLOTS)(params, prompt_onehot, cache)[2]
+
+
+def _print_row(rec):
+    print(f"  {rec['protocol']:7s} T={rec['seq_len']:5d} {rec['policy']:16s} "
+          f"comm {rec['comm_bytes'] / 1e6:10.2f} MB  msgs {rec['messages']:7d}  "
+          f"LAN {rec['lan_latency_s']:8.3f} s  WAN {rec['wan_latency_s']:8.2f} s  "
+          f"wall {rec['wall_s']:7.2f} s", flush=True)
+
+
+def print_decode_ratios(records):
+    """Per (protocol, seq_len): each policy's comm / LAN latency relative to full and longcache,
+    and MPCache-family overhead above the oracle floor."""
+    rows = [r for r in records if r["policy"] != "lm_head"]
+    keys = sorted({(r["protocol"], r["seq_len"]) for r in rows})
+    print("\nratios measured in this run (decoder layers of one decode step):")
+    print(f"{'protocol':8s} {'T':>5s} {'policy':16s} {'comm MB':>9s} {'LAN s':>8s} "
+          f"{'full/x comm':>11s} {'full/x LAN':>10s} {'lc/x comm':>9s} {'lc/x LAN':>8s} "
+          f"{'x-oracle MB':>11s}")
+    for proto, T in keys:
+        group = {r["policy"]: r for r in rows if r["protocol"] == proto and r["seq_len"] == T}
+        full, lc, orc = group.get("full"), group.get("longcache"), group.get(ORACLE)
+        for name, r in group.items():
+            def ratio(base, key):
+                return f"{base[key] / r[key]:.2f}" if base and r[key] else "-"
+            over = f"{(r['comm_bytes'] - orc['comm_bytes']) / 1e6:.2f}" if orc else "-"
+            print(f"{proto:8s} {T:5d} {name:16s} {r['comm_bytes'] / 1e6:9.2f} "
+                  f"{r['lan_latency_s']:8.3f} {ratio(full, 'comm_bytes'):>11s} "
+                  f"{ratio(full, 'lan_latency_s'):>10s} {ratio(lc, 'comm_bytes'):>9s} "
+                  f"{ratio(lc, 'lan_latency_s'):>8s} {over:>11s}")
+
+
+# ----- gather (Table 2) -----------------------------------------------------------------------------
+def bench_gather(FLAGS, out_path):
+    T, C, d = FLAGS.gather_tokens, FLAGS.gather_clusters, FLAGS.gather_dim
+    k1, k2 = T // 4, C // 4
+    s = T // C
+    rng = np.random.RandomState(FLAGS.seed)
+    keys = rng.randn(T, d).astype(np.float32)
+    idx1 = np.sort(rng.choice(T, k1, replace=False)).astype(np.int32)
+    idx2 = np.sort(rng.choice(C, k2, replace=False)).astype(np.int32)
+
+    def token_level(idx, K):
+        return P.gather_rows(P.indices_onehot(idx, T, K.dtype), K)
+
+    def cluster_level(idx, K):
+        return P.gather_clusters(P.indices_onehot(idx, C, K.dtype), K, s)
+
+    records = []
+    for protocol in protocols(FLAGS):
+        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
+        backend = mpc.make_backend(FLAGS.backend, cfg)
+        K = backend.share(keys, mpc.SECRET, owner=mpc.CLIENT)
+        for name, fn, idx in (("token_level", token_level, idx1),
+                              ("cluster_level", cluster_level, idx2)):
+            prog = backend.compile(fn, (idx, keys), (mpc.SECRET, mpc.SECRET))
+            _, cost, wall = backend.run(prog, backend.share(idx, mpc.SECRET), K)
+            rec = _record(FLAGS, "gather", protocol, cfg, f"K[{T}x{d}]", 0, name, T, cost, wall,
+                          {"clusters": C, "selected": len(idx), "cluster_size": s})
+            records.append(rec)
+            write_jsonl(out_path, [rec], append=True)
+            _print_row(rec)
+        tok, clu = records[-2], records[-1]
+        if clu["comm_bytes"]:
+            print(f"  {protocol}: token/cluster comm {tok['comm_bytes'] / clu['comm_bytes']:.1f}x, "
+                  f"LAN latency {tok['lan_latency_s'] / clu['lan_latency_s']:.1f}x "
+                  "(paper: 369.8x comm, 73.5x latency)")
+    return records
+
+
+# ----- top-k (Appendix B.5) -------------------------------------------------------------------------
+def bench_topk(FLAGS, out_path):
+    rng = np.random.RandomState(FLAGS.seed)
+    H = FLAGS.topk_rows
+    records = []
+    for protocol in protocols(FLAGS):
+        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
+        backend = mpc.make_backend(FLAGS.backend, cfg)
+        for N in [int(n) for n in FLAGS.topk_sizes]:
+            scores = rng.randn(H, N).astype(np.float32)
+            k = max(1, N // 4)
+            row = {}
+            for method in ("lax", "rank"):
+                def fn(x, method=method):
+                    return P.topk_mask(x, k, method=method)
+                prog = backend.compile(fn, (scores,), (mpc.SECRET,))
+                _, cost, wall = backend.run(prog, backend.share(scores, mpc.SECRET))
+                rec = _record(FLAGS, "topk", protocol, cfg, f"scores[{H}x{N}]", 0, method, N,
+                              cost, wall, {"k": k, "rows": H})
+                records.append(rec)
+                row[method] = rec
+                write_jsonl(out_path, [rec], append=True)
+                _print_row(rec)
+            a, b = row["lax"], row["rank"]
+            cheaper = "rank" if b["lan_latency_s"] < a["lan_latency_s"] else "lax"
+            print(f"  {protocol} N={N}: lax/rank comm {a['comm_bytes'] / max(b['comm_bytes'], 1):.2f}x,"
+                  f" LAN {a['lan_latency_s'] / max(b['lan_latency_s'], 1e-9):.2f}x -> {cheaper}")
+    return records
+
+
+BENCHES = {"decode": bench_decode, "gather": bench_gather, "topk": bench_topk}
+
+
+def run(FLAGS):
+    if FLAGS.backend not in mpc.BACKENDS:
+        raise ValueError(f"--backend={FLAGS.backend!r}; use one of {mpc.BACKENDS}")
+    for p in protocols(FLAGS):  # validate every protocol before any work
+        if p != "PLAINTEXT":
+            mpc_config(FLAGS, p)
+    out_dir = ensure_dir(FLAGS.output_dir or "results/mpc_cost")
+    out_path = out_dir / "results.jsonl"
+    if out_path.exists():
+        out_path.unlink()
+    print(f"mpc_cost {FLAGS.mpc_bench}: backend={FLAGS.backend} protocols={protocols(FLAGS)} "
+          f"model={FLAGS.model} num_layers={FLAGS.num_layers} -> {out_path}")
+    records = BENCHES[FLAGS.mpc_bench](FLAGS, out_path)
+    write_jsonl(out_dir / "config.jsonl", [{"flags": flag_values(FLAGS), "git_commit": git_commit()}])
+    print(f"{len(records)} records -> {out_path}")

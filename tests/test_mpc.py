@@ -1,0 +1,224 @@
+"""Secure inference through SPU (mpcache_jax/mpc): configs, cost parsing, secure decode vs
+plaintext, and the no-reveal property of the compiled programs. Tiny models, seconds each."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mpcache_jax import mpc
+from mpcache_jax.generate import apply_policy
+from mpcache_jax.policies import make_policy
+from models import registry
+from models.transformer import activation_fn
+
+# Secure logits vs plaintext logits (FM64, 18 fraction bits: resolution 4e-6; exp, reciprocal
+# and rsqrt are iterative fixed-point approximations): max |delta logit| allowed.
+LOGIT_TOL = 2e-2
+PROMPT_LEN = 64
+
+
+# ----- runtime configs ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    ({"protocol": "SPDZ"}, "protocol='SPDZ' is unknown"),
+    ({"protocol": "ABY3", "parties": 2}, "ABY3 runs with 3 parties, got 2"),
+    ({"protocol": "CHEETAH", "parties": 3}, "CHEETAH runs with 2 parties, got 3"),
+    ({"field": "FM32", "fraction_bits": 18}, "field FM32 (32 bits) is too small for 18 fraction"),
+    ({"field": "FM16"}, "field='FM16' is unknown"),
+    ({"exp_mode": "cubic"}, "exp_mode='cubic' is unknown"),
+])
+def test_bad_runtime_configs_say_what_to_change(kwargs, message):
+    with pytest.raises(mpc.MPCConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        mpc.MPCConfig(**kwargs)
+
+
+def test_runtime_config_from_json_and_defaults():
+    cfg = mpc.from_json('{"protocol": "SEMI2K", "field": "FM64", "fxp_fraction_bits": 16, '
+                        '"fxp_exp_mode": "EXP_PADE"}')
+    assert (cfg.protocol, cfg.parties, cfg.fraction_bits, cfg.exp_mode) == (
+        "SEMI2K", 2, 16, "EXP_PADE")
+    assert mpc.MPCConfig(protocol="aby3").parties == 3
+    assert mpc.MPCConfig(field="FM128").fraction_bits == 26
+    rt = cfg.runtime_config()
+    assert rt.fxp_fraction_bits == 16
+    wrapped = {"runtime_config": {"protocol": "ABY3"}, "parties": ["a:1", "b:2", "c:3"]}
+    assert mpc.from_json(wrapped).addresses == ("a:1", "b:2", "c:3")
+    with pytest.raises(mpc.MPCConfigError, match="ABY3 runs with 3 parties, got 2"):
+        mpc.from_json({"runtime_config": {"protocol": "ABY3"}, "parties": ["a:1", "b:2"]})
+    with pytest.raises(mpc.MPCConfigError, match="not part of SPU"):
+        mpc.from_json('{"protocol": "ABY3", "fxp_fraction_bitz": 18}')
+    with pytest.raises(mpc.MPCConfigError, match="not valid JSON"):
+        mpc.from_json("{protocol: ABY3")
+
+
+# ----- cost accounting -------------------------------------------------------------------------
+LOG = """\
+2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:172] [Profiling] SPU execution step completed, input processing took 1e-06s, execution took 0.5s, output processing took 1e-06s, total time 0.5s.
+2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:220] HLO profiling: total time 0.4
+2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:223] - pphlo.dot, executed 3 times, duration 0.25s, send bytes 1000 recv bytes 900, send actions 3, recv actions 3
+2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:223] - pphlo.exponential, executed 1 times, duration 0.1s, send bytes 400 recv bytes 400, send actions 20, recv actions 20
+2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:223] - pphlo.custom_call: mhlo.topk, executed 2 times, duration 0.05s, send bytes 100 recv bytes 50, send actions 7, recv actions 5
+2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:220] HAL profiling: total time 0.4
+2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:223] - f_mmul, executed 3 times, duration 0.25s, send bytes 1000 recv bytes 900, send actions 3, recv actions 3
+2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:233] Link details: total send bytes 1500, recv bytes 1350, send actions 30, recv actions 28
+"""
+
+
+def test_profile_log_parser_and_network_model():
+    (run,) = mpc.parse_profile_log("noise before the run\n" + LOG)
+    assert (run.name, run.exec_s) == ("step", 0.5)
+    assert run.ops["HLO"]["pphlo.dot"].count == 3
+    assert run.ops["HLO"]["pphlo.custom_call: mhlo.topk"].send_bytes == 100
+    assert (run.send_bytes, run.recv_bytes, run.send_actions) == (1500, 1350, 30)
+    phases = mpc.phase_breakdown(run)
+    assert phases["linear"]["comm_bytes"] == 1900 and phases["softmax"]["messages"] == 20
+    assert phases["topk"]["comm_bytes"] == 150
+    # 377 MB over a 377 MB/s link is 1 s; 10 messages x 0.3 ms RTT; plus compute.
+    assert mpc.LAN.latency(377_000_000, 10, compute_s=0.5) == pytest.approx(1.503)
+    fields = mpc.cost_fields(run, wall_s=0.7, parties=3)
+    assert fields["comm_bytes"] == 4500 and fields["messages"] == 30
+    assert fields["lan_latency_s"] == pytest.approx(0.5 + 1500 / 377e6 + 30 * 0.3e-3, abs=1e-4)
+
+
+# ----- numerics options ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name, bound", [("silu", 0.011), ("gelu", 0.005), ("gelu_tanh", 0.005)])
+def test_poly_activations_stay_close_to_exact(name, bound):
+    x = jnp.linspace(-40.0, 40.0, 80001)
+    err = jnp.abs(activation_fn(name, "poly")(x) - activation_fn(name)(x))
+    assert float(jnp.max(err)) <= bound
+    # Far tails are exact: 0 on the left, the identity on the right.
+    assert float(activation_fn(name, "poly")(jnp.float32(-30.0))) == 0.0
+    assert float(activation_fn(name, "poly")(jnp.float32(30.0))) == 30.0
+
+
+def test_default_activation_is_the_exact_one():
+    assert registry.get_config("llama-tiny").activation_impl == "exact"
+    x = jnp.linspace(-5, 5, 11)
+    np.testing.assert_array_equal(activation_fn("silu")(x), jax.nn.silu(x))
+
+
+# ----- secure decode == plaintext ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    loaded = registry.load("llama-tiny", num_layers=2, seed=1)
+    # Larger weights than the init's 0.02 so that logits are spread and the greedy choice has a
+    # clear margin (random tiny models otherwise put every logit within 1e-3).
+    params = jax.tree_util.tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, loaded.params)
+    prompt = list(np.random.RandomState(0).randint(0, 256, PROMPT_LEN))
+    return loaded.model, params, prompt
+
+
+def tiny_policy(name):
+    if name == "mpcache":
+        return make_policy("mpcache", budget=16, levels=((8, 0.5), (4, None)), static_keep=32,
+                           share_from=0, topk_method="rank")
+    return make_policy(name)
+
+
+def secure_vs_plain_decode(model, params, prompt, policy, protocol):
+    T = len(prompt)
+    logits, dense, aux = model.prefill(params, prompt, model.init_cache(T + 4),
+                                       return_queries=True)
+    token = int(np.argmax(logits))
+    out = {}
+    for backend_name in ("xla", "spu_sim"):
+        backend = mpc.make_backend(backend_name, mpc.MPCConfig(protocol=protocol))
+        session = mpc.SecureSession(backend, model, params, policy)
+        cache = apply_policy(policy, dense, aux, 4)
+        example = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
+        vis = mpc.cache_visibility(cache)
+        shared = backend.share(cache, vis)
+        tok, logits_sh, _, cost, _ = session.decode(token, T, shared, example, vis)
+        out[backend_name] = (tok, np.asarray(backend.reveal(logits_sh)), cost)
+    return out
+
+
+@pytest.mark.parametrize("protocol", ["ABY3", "SEMI2K"])
+@pytest.mark.parametrize("policy_name", ["full", "mpcache"])
+def test_secure_decode_matches_plaintext(tiny, policy_name, protocol):
+    model, params, prompt = tiny
+    out = secure_vs_plain_decode(model, params, prompt, tiny_policy(policy_name), protocol)
+    (tok_p, logits_p, _), (tok_s, logits_s, cost) = out["xla"], out["spu_sim"]
+    top2 = np.sort(logits_p)[-2:]
+    assert top2[1] - top2[0] > 2 * LOGIT_TOL, "greedy margin too small for the check"
+    assert np.max(np.abs(logits_s - logits_p)) <= LOGIT_TOL
+    assert tok_s == tok_p
+    assert cost.send_bytes > 0 and cost.send_actions > 0
+
+
+@pytest.mark.slow
+def test_secure_decode_matches_plaintext_cheetah(tiny):
+    model, params, prompt = tiny
+    out = secure_vs_plain_decode(model, params, prompt[:32], tiny_policy("mpcache"), "CHEETAH")
+    assert np.max(np.abs(out["spu_sim"][1] - out["xla"][1])) <= LOGIT_TOL
+    assert out["spu_sim"][0] == out["xla"][0]
+
+
+def test_secure_generation_prefill_eviction_and_decode_inside_mpc(tiny):
+    """Prefill, static eviction (compress) and decode steps all run under ABY3 and produce the
+    plaintext tokens; the cache stays shared between steps."""
+    model, params, prompt = tiny
+    policy = tiny_policy("mpcache")
+    runs = {}
+    for backend_name in ("xla", "spu_sim"):
+        backend = mpc.make_backend(backend_name, mpc.MPCConfig(protocol="ABY3"))
+        runs[backend_name] = mpc.SecureSession(backend, model, params, policy).generate(
+            prompt[:32], max_new_tokens=3)
+    assert runs["spu_sim"].tokens == runs["xla"].tokens
+    assert [s.phase for s in runs["spu_sim"].steps] == ["prefill", "decode", "decode"]
+    prefill, decode = runs["spu_sim"].steps[0].cost, runs["spu_sim"].steps[1].cost
+    assert prefill.send_bytes > decode.send_bytes > 0
+
+
+# ----- nothing secret is revealed inside the programs ---------------------------------------------------
+def test_compiled_programs_reveal_nothing_and_positions_are_public(tiny):
+    model, params, prompt = tiny
+    policy = tiny_policy("mpcache")
+    backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"), profile=False)
+    session = mpc.SecureSession(backend, model, params, policy)
+    T, cap = 32, 36
+    prefill = session.prefill_program(T, cap, 4)
+    cache_example = jax.eval_shape(mpc.prefill_fn(model, policy, 4), session._params_shape,
+                                   jax.ShapeDtypeStruct((T, 256), jnp.float32),
+                                   model.init_cache(cap))[2]
+    decode = session.decode_program(cache_example)
+    prefill_args = (session._params_shape, jax.ShapeDtypeStruct((T, 256), jnp.float32),
+                    model.init_cache(cap))
+    decode_args = (session._params_shape, jax.ShapeDtypeStruct((256,), jnp.float32),
+                   jax.ShapeDtypeStruct((), jnp.int32), cache_example)
+    for program, fn, args in ((prefill, mpc.prefill_fn(model, policy, 4), prefill_args),
+                              (decode, mpc.decode_fn(model, policy), decode_args)):
+        assert mpc.secret_reveals(program.ir) == []
+        outs = jax.tree_util.tree_unflatten(program.out_tree, program.out_visibility)
+        assert outs[0] == mpc.SECRET and outs[1] == mpc.SECRET   # sampled token, logits
+        # Every public output depends on public inputs only (positions, counters, zeros).
+        in_vis = jax.tree_util.tree_unflatten(program.in_tree, program.visibility)
+        by_dependency = jax.tree_util.tree_leaves(mpc.dependency_visibility(fn, args, in_vis))
+        for spu_vis, dep_vis in zip(program.out_visibility, by_dependency):
+            assert spu_vis == mpc.SECRET or dep_vis == mpc.PUBLIC
+        # Kept keys/values and cluster digests (derived from the prompt) stay secret.
+        for path, vis in jax.tree_util.tree_flatten_with_path(outs[2])[0]:
+            name = jax.tree_util.keystr(path)
+            if name.endswith((".k", ".v")) and ".new." not in name or ".extras" in name:
+                assert vis == mpc.SECRET, name
+    # The decode position is a public input: a plain i32 argument in the compiled signature.
+    n_params = len(jax.tree_util.tree_leaves(session._params_shape))
+    assert decode.visibility[n_params + 1] == mpc.PUBLIC
+    signature = next(line for line in decode.ir.splitlines() if "func.func @main" in line)
+    assert f"%arg{n_params + 1}: tensor<i32>" in signature
+
+
+def test_reveal_check_catches_a_mid_program_reveal():
+    from spu.experimental import reveal
+    backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"), profile=False)
+
+    def leaky(x, w):
+        scores = x @ w
+        return jnp.argmax(reveal(scores))  # reveals every score, not just the chosen token
+
+    def honest(x, w):
+        return jnp.argmax(x @ w)
+    x, w = np.ones(4, np.float32), np.ones((4, 8), np.float32)
+    assert mpc.secret_reveals(backend.compile(leaky, (x, w), mpc.SECRET).ir)
+    assert mpc.secret_reveals(backend.compile(honest, (x, w), mpc.SECRET).ir) == []
