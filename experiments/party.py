@@ -4,7 +4,8 @@ Run the same command with each party's id on its host (see experiments/nodes/*.j
 config format). `--party=all` starts every party of a loopback config as local processes,
 waits for them and tears them down (what `experiments.run --backend=spu_nodes` does).
 Exit status: 0 success, 2 malformed config, 3 another party failed (named in the message),
-1 anything else.
+1 anything else. The party's work runs in a supervised worker process (`--worker`, internal):
+see mpcache_jax/distributed/supervise.py for why.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ flags.DEFINE_string("party", None, "This party's node id (a key of 'nodes'), or 
 flags.DEFINE_string("output_dir", "results/nodes", "SPU logs, results.jsonl, outputs.npz.")
 flags.DEFINE_string("job", None, 'JSON overrides of the config\'s "job" (with --party=all), '
                     'e.g. \'{"policy": "full"}\'.')
+flags.DEFINE_bool("worker", False, "Internal: run the party itself (the default supervises it).")
 flags.mark_flags_as_required(["node_config", "party"])
 FLAGS = flags.FLAGS
 
@@ -31,6 +33,7 @@ def main(argv):
         from mpcache_jax.distributed import (EXIT_CONFIG, EXIT_PEER, JobFailed, NodeConfigError,
                                              PartyFailure, load_node_config, run_loopback,
                                              run_party)
+        from mpcache_jax.distributed.supervise import supervise
     except Exception as err:  # noqa: BLE001 - a broken install must still say why
         traceback.print_exc()
         print(f"[party {who}] error: cannot import the launcher: {err}", file=sys.stderr, flush=True)
@@ -45,6 +48,11 @@ def main(argv):
         if FLAGS.job:
             raise NodeConfigError("--job overrides are for --party=all only: every party must "
                                   "read the same job, so edit the node config instead")
+        if not FLAGS.worker:
+            sys.exit(supervise(config, who, FLAGS.output_dir,
+                               [sys.executable, "-m", "experiments.party", "--worker",
+                                f"--node_config={FLAGS.node_config}", f"--party={who}",
+                                f"--output_dir={FLAGS.output_dir}"]))
         record = run_party(config, who, FLAGS.output_dir)
         if record is not None:
             print(json.dumps(record))

@@ -10,7 +10,7 @@ devices), plus a "job" section naming the public program:
         "SPU": {"kind": "SPU", "config": {
             "node_ids": ["node:0", "node:1", "node:2"],          # SPU rank = position here
             "runtime_config": {"protocol": "ABY3", "field": "FM64", ...},   # SPU RuntimeConfig JSON
-            "link": {"recv_timeout_s": 30, "connect_retry_times": 10, ...,
+            "link": {"peer_timeout_s": 30, "recv_timeout_s": 600, ...,
                      "tls": {"ca": "ca.crt", "certs": {"node:0": {"cert": "...", "key": "..."}}}}}},
         "MODEL_OWNER":  {"kind": "PYU", "config": {"node_id": "node:0"}},
         "PROMPT_OWNER": {"kind": "PYU", "config": {"node_id": "node:1"}}
@@ -55,29 +55,31 @@ class TLSConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LinkOptions:
-    """brpc link settings. `recv_timeout_s` bounds how long a party waits for any message: a
-    dead, hung or unreachable peer makes every other party fail within it."""
+    """brpc link settings and failure detection.
 
-    recv_timeout_s: float = 60.0
+    `peer_timeout_s`: every party probes its peers' link endpoints once a second while the job
+    runs; a peer that refuses or does not answer for this long (dead, hung, unreachable) makes
+    the party fail with a message naming it. `recv_timeout_s`: the link's own limit on waiting
+    for one message from a peer that is alive; it also bounds start-up (peers still starting)
+    and must exceed the longest local step of any party (the model owner compiles the program,
+    ~20 s for a 30-layer model)."""
+
+    peer_timeout_s: float = 30.0
+    recv_timeout_s: float = 600.0
     connect_retry_times: int = 10
     connect_retry_interval_ms: int = 1000
     http_timeout_ms: int = 20000
     tls: TLSConfig | None = None
 
     def __post_init__(self):
-        if self.recv_timeout_s <= 0:
-            raise NodeConfigError(f"link.recv_timeout_s={self.recv_timeout_s} must be > 0 seconds")
+        for name in ("peer_timeout_s", "recv_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise NodeConfigError(f"link.{name}={getattr(self, name)} must be > 0 seconds")
         if self.connect_retry_times < 0 or self.connect_retry_interval_ms <= 0:
             raise NodeConfigError("link.connect_retry_times must be >= 0 and "
                                   "link.connect_retry_interval_ms > 0")
         if self.http_timeout_ms <= 0:
             raise NodeConfigError(f"link.http_timeout_ms={self.http_timeout_ms} must be > 0")
-
-    @property
-    def connect_budget_s(self) -> float:
-        """Rough upper bound on how long link setup retries before giving up."""
-        return (self.connect_retry_times + 1) * (self.connect_retry_interval_ms
-                                                 + self.http_timeout_ms) / 1000.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@
 
 Each party is `python -m experiments.party --node_config=... --party=ID` with its own log
 file; the job succeeds only if every party exits 0 and the prompt owner wrote its record. On
-any failure the remaining parties get `link.recv_timeout_s` (+ a grace period) to exit on
+any failure the remaining parties get `link.peer_timeout_s` (+ a grace period) to exit on
 their own, then are killed; the raised `JobFailed` names the failing party (from the parties'
 own diagnoses) and quotes each party's last message. No child outlives the call.
 """
@@ -27,7 +27,9 @@ from mpcache_jax.distributed.config import (NodeConfig, NodeConfigError, load_no
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-GRACE_S = 5.0
+# After the first party fails, the others get peer_timeout_s + this long to notice and exit
+# (probes run once a second, each waits up to 2 s).
+GRACE_S = 10.0
 
 
 class JobFailed(RuntimeError):
@@ -88,9 +90,9 @@ def _last_line(path: pathlib.Path, marker: str) -> str:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    """Kill a party's whole process group (supervisor and worker), even if one already ended."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
 
@@ -123,7 +125,7 @@ def wait_parties(config: NodeConfig, procs: dict[str, subprocess.Popen],
             if first_failure is None and any(p.poll() not in (None, 0) for p in procs.values()):
                 first_failure = now
             late = first_failure is not None and (
-                now - first_failure > config.link.recv_timeout_s + GRACE_S)
+                now - first_failure > config.link.peer_timeout_s + GRACE_S)
             if now > deadline or late:
                 break
             time.sleep(0.05)
@@ -139,8 +141,10 @@ def wait_parties(config: NodeConfig, procs: dict[str, subprocess.Popen],
     # The party the others blame ("party X ... died ..."), else the first that failed.
     blamed = [pid for pid in config.party_ids
               if any(f"party {pid} " in m for other, m in messages.items() if other != pid)]
+    # Otherwise the first party that failed by itself (not killed by us, not blaming a peer).
     culprit = blamed[0] if blamed else next((pid for pid in config.party_ids
-                                             if codes[pid] not in (0, 3)), None)
+                                             if pid not in timed_out and codes[pid] not in (0, 3)),
+                                            None)
     lines = [f"  {pid}: exit {codes[pid] if pid not in timed_out else 'killed (still running)'}"
              f"{' - ' + messages[pid] if messages[pid] else ''}" for pid in config.party_ids]
     head = (f"secure job failed: party {culprit} failed" if culprit

@@ -11,8 +11,8 @@ Sequence, identical on every host:
   5. output shares go to the PROMPT_OWNER only, who reconstructs the generated tokens;
   6. parties exchange their own profiled cost (from their own SPU log); the PROMPT_OWNER
      writes the aggregated record.
-A peer that is dead, hung or unreachable surfaces as a `PartyFailure` naming it, raised within
-`link.recv_timeout_s` (connection setup: within the link's retry budget).
+A peer that is dead, hung or unreachable ends this party within `link.peer_timeout_s` with a
+message naming it (Watchdog); link errors are explained by probing every peer (`blame`).
 """
 from __future__ import annotations
 
@@ -47,15 +47,16 @@ def log(party_id: str, message: str) -> None:
 
 # ----- link ---------------------------------------------------------------------------------
 
-def link_desc(config: NodeConfig, party_id: str):
+def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: float):
+    # link_id names the link (brpc message keys); one link per run.
     """spu.link.Desc for this config; TLS options from the config (own cert, shared CA)."""
     from spu import link
     desc = link.Desc()
-    desc.id = config.id
+    desc.id = f"{config.id}.{link_id}"
     for pid, address in config.parties:
         desc.add_party(pid, address)
     opts = config.link
-    desc.recv_timeout_ms = int(opts.recv_timeout_s * 1000)
+    desc.recv_timeout_ms = int(recv_timeout_s * 1000)
     desc.connect_retry_times = opts.connect_retry_times
     desc.connect_retry_interval_ms = opts.connect_retry_interval_ms
     desc.http_timeout_ms = opts.http_timeout_ms
@@ -74,7 +75,7 @@ def link_desc(config: NodeConfig, party_id: str):
 def failing_peer(config: NodeConfig, my_rank: int, err: BaseException) -> str | None:
     """The party an SPU/yacl link error points at (`rank=N`, or the other end of `a->b`)."""
     text = str(err)
-    m = re.search(r"rank=(\d+)", text)
+    m = re.search(r"rank=(\d+)", text) or re.search(r"key=connect_(\d+)", text)
     if m:
         rank = int(m.group(1))
     else:
@@ -86,22 +87,77 @@ def failing_peer(config: NodeConfig, my_rank: int, err: BaseException) -> str | 
     return config.party_ids[rank] if 0 <= rank < config.world_size else None
 
 
+def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) -> str:
+    """'alive', 'refused' or 'silent': does `peer`'s link endpoint answer an HTTP request?
+
+    Any answer (even brpc's "method not found") proves the peer's process is running; a
+    refused connection means it is gone; silence means it is stopped or cut off."""
+    import socket
+    import ssl
+    host, _, port = config.address(peer).rpartition(":")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "silent"
+    try:
+        tls = config.link.tls
+        if tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname = False
+            ctx.load_verify_locations(tls.ca)
+            mine = tls.certs[party_id]
+            ctx.load_cert_chain(mine.cert, mine.key)
+            sock = ctx.wrap_socket(sock)
+        sock.sendall(f"GET /probe HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        return "alive" if sock.recv(16) else "refused"
+    except (ConnectionError, ssl.SSLError):
+        return "refused"
+    except OSError:
+        return "silent"
+    finally:
+        sock.close()
+
+
+def probe_peers(config: NodeConfig, party_id: str) -> dict[str, str]:
+    """Probe every other party at once -> {party: 'alive' | 'refused' | 'silent'}."""
+    from concurrent.futures import ThreadPoolExecutor
+    peers = [p for p in config.party_ids if p != party_id]
+    with ThreadPoolExecutor(len(peers)) as pool:
+        return dict(zip(peers, pool.map(lambda p: probe(config, party_id, p), peers)))
+
+
+def blame(config: NodeConfig, party_id: str, suspect: str | None) -> tuple[str | None, str]:
+    """The failed party and why, from the peer a link error points at and a probe of all
+    peers: a peer that is gone or silent is the cause even when the error points elsewhere
+    (a live peer that stopped sending was itself waiting on the failed one)."""
+    states = probe_peers(config, party_id)
+    down = [p for p in config.party_ids if states.get(p) in ("refused", "silent")]
+    summary = ", ".join(f"{p} {s}" for p, s in states.items())
+    if down:
+        words = {"refused": "is down (its link endpoint refuses connections)",
+                 "silent": "does not respond (hung, stopped or cut off)"}
+        culprit = suspect if suspect in down else down[0]
+        return culprit, f"party {culprit} {words[states[culprit]]} [probe: {summary}]"
+    if suspect is None:
+        return None, f"every peer answers a probe [{summary}]"
+    return suspect, (f"party {suspect} sent nothing for link.recv_timeout_s="
+                     f"{config.link.recv_timeout_s:g} s or dropped the connection, yet its "
+                     f"endpoint answers [probe: {summary}]")
+
+
 def explain_link_error(config: NodeConfig, party_id: str, stage: str,
                        err: BaseException) -> PartyFailure:
     peer = failing_peer(config, config.rank(party_id), err)
     first = str(err).strip().splitlines()
     detail = " ".join(line.strip() for line in first[:2])[:300]
-    if peer is None:
-        return PartyFailure(None, f"{stage} failed: {detail}")
-    timeout = config.link.recv_timeout_s
-    if "connect" in str(err) and stage == "link setup":
-        why = (f"could not be reached at {config.address(peer)} (tried "
-               f"{config.link.connect_retry_times + 1} times); is it running, is the port open, "
-               "do the TLS certificates match?")
-    else:
-        why = (f"sent nothing for {timeout:g} s or dropped the connection: it died, hung or "
-               "became unreachable")
-    return PartyFailure(peer, f"party {peer} {why} [during {stage}; {detail}]")
+    culprit, why = blame(config, party_id, peer)
+    if stage == "link setup" and culprit is not None and culprit == peer and "answers" in why:
+        why = (f"party {peer} could not be reached at {config.address(peer)} within "
+               f"link.recv_timeout_s={config.link.recv_timeout_s:g} s: is it running, is "
+               "the port open, do the TLS certificates match?")
+    return PartyFailure(culprit, f"{why} [during {stage}; {detail}]")
 
 
 class Channel:
@@ -131,10 +187,53 @@ class Channel:
 def connect(config: NodeConfig, party_id: str) -> Channel:
     from spu import link
     try:
-        ctx = link.create_brpc(link_desc(config, party_id), config.rank(party_id))
+        ctx = link.create_brpc(link_desc(config, party_id, "run", config.link.recv_timeout_s),
+                               config.rank(party_id))
     except RuntimeError as err:
         raise explain_link_error(config, party_id, "link setup", err) from None
     return Channel(config, party_id, ctx)
+
+
+class Watchdog:
+    """Probes every peer once a second from a daemon thread; a peer that stays down (refused
+    or silent) for `link.peer_timeout_s` ends this party at once with a message naming it.
+
+    The link alone cannot tell who failed: in a ring protocol every live party is blocked on
+    a neighbour, so the first receive timeout often points at a live peer that is itself
+    waiting on the dead one. A probe answered by a blocked-but-alive peer clears it."""
+
+    def __init__(self, config: NodeConfig, party_id: str, interval_s: float = 1.0):
+        import threading
+        self.config, self.party_id, self.interval_s = config, party_id, interval_s
+        self.stage = "start-up"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        down_since: dict[str, float] = {}
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            states = probe_peers(self.config, self.party_id)
+            for peer, state in states.items():
+                if state == "alive":
+                    down_since.pop(peer, None)
+                    continue
+                down_since.setdefault(peer, now)
+                if now - down_since[peer] >= self.config.link.peer_timeout_s and not self._stop.is_set():
+                    words = {"refused": "is down (its link endpoint refuses connections)",
+                             "silent": "does not respond (hung, stopped or cut off)"}[state]
+                    summary = ", ".join(f"{p} {s}" for p, s in states.items())
+                    print(f"[party {self.party_id}] error: party {peer} {words} for "
+                          f"{self.config.link.peer_timeout_s:g} s [probe: {summary}; during "
+                          f"{self.stage}]", file=sys.stderr, flush=True)
+                    os._exit(EXIT_PEER)  # the link threads may be blocked: leave at once
 
 
 # ----- logging / profile --------------------------------------------------------------------
@@ -148,6 +247,10 @@ def setup_spu_log(path: pathlib.Path) -> None:
     libspu.logging.setup_logging(opts)
 
 
+def spu_log_path(output_dir: str | os.PathLike, party_id: str) -> pathlib.Path:
+    return pathlib.Path(output_dir) / f"spu_{party_id.replace(':', '_')}.log"
+
+
 # ----- the run ------------------------------------------------------------------------------
 
 def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) -> dict | None:
@@ -159,8 +262,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) 
 
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tag = party_id.replace(":", "_")
-    log_path = out / f"spu_{tag}.log"
+    log_path = spu_log_path(out, party_id)
     setup_spu_log(log_path)
     rank, world = config.rank(party_id), config.world_size
     is_model, is_client = party_id == config.model_owner, party_id == config.prompt_owner
@@ -178,8 +280,13 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) 
         blob = compiled.executable.SerializeToString()
         log(party_id, f"compiled the program in {time.perf_counter() - t_start:.1f} s")
 
+    if is_client:  # a bad private input fails here, before any peer waits on this party
+        prompt = job_lib.load_prompt(job, program.model.cfg.vocab_size)
+
     chan = connect(config, party_id)
+    watchdog = Watchdog(config, party_id).start()
     log(party_id, f"link up ({world} parties, {'TLS' if config.link.tls else 'plain TCP'})")
+    watchdog.stage = "program distribution"
     if is_model:
         for peer in config.party_ids:
             if peer != party_id:
@@ -195,6 +302,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) 
     t_program = time.perf_counter()
     log(party_id, f"program {digests[0][:12]} ({len(blob)} bytes)")
 
+    watchdog.stage = "input sharing"
     # 3. inputs: weights leaves (model owner) then the prompt (prompt owner).
     runtime_cfg = config.mpc.runtime_config(profile=True)
     io = spu.Io(world, runtime_cfg)
@@ -209,7 +317,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) 
             raise PartyFailure(None, f"the program takes {n_inputs - 1} weight arrays, the model "
                                      f"owner has {len(my_values)}")
     if is_client:
-        my_values = [job_lib.load_prompt(job, program.model.cfg.vocab_size)]
+        my_values = [prompt]
     my_names = [n for n, o in zip(executable.input_names, owners) if o == party_id]
     if my_values:
         per_peer = [[] for _ in range(world)]
@@ -236,6 +344,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) 
     log(party_id, "inputs shared; running")
 
     # 4. the secure program.
+    watchdog.stage = "the secure run"
     log_offset = log_path.stat().st_size if log_path.exists() else 0
     t0 = time.perf_counter()
     try:
@@ -246,6 +355,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) 
     log(party_id, f"secure run done in {run_s:.3f} s")
 
     # 5. reveal to the prompt owner only.
+    watchdog.stage = "output reveal"
     my_out = [runtime.get_var(name) for name in executable.output_names]
     revealed = None
     if is_client:
@@ -264,6 +374,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) 
                                      "input_sharing": t_inputs - t_program})
     gathered_costs = [json.loads(b) for b in chan.all_gather(json.dumps(mine),
                                                              "exchanging costs")]
+    watchdog.stop()
     chan.ctx.stop_link()
     if not is_client:
         return None

@@ -1,0 +1,74 @@
+"""Party supervisor: runs the party's worker process and explains how it ended.
+
+yacl's link layer ends the whole process (exit status 255, no Python exception) when an
+asynchronous send to a vanished peer exhausts its retries, so a party cannot always report a
+dead peer itself. `python -m experiments.party` therefore runs the party as a worker child and
+supervises it: a worker that dies without its own diagnosis is explained from the link errors
+in its SPU log (which name the peer's address), a worker that outlives `job.timeout_s` is
+killed. Either way the party exits non-zero with one `error:` line naming the failed party.
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+from mpcache_jax.distributed.config import NodeConfig
+from mpcache_jax.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, blame,
+                                           failing_peer, spu_log_path)
+
+_LINK_ERROR = re.compile(r"\[(error|warning)\]|failed|timeout|Not connected", re.IGNORECASE)
+
+
+def blame_from_log(config: NodeConfig, party_id: str, log_path: pathlib.Path) -> str | None:
+    """The peer named by the last link error in this party's SPU log (address, rank=N or a->b)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    others = [(pid, addr) for pid, addr in config.parties if pid != party_id]
+    for line in reversed(lines[-400:]):
+        if not _LINK_ERROR.search(line):
+            continue
+        for pid, addr in others:
+            if re.search(re.escape(addr) + r"(?!\d)", line):
+                return pid
+
+        class _Err(Exception):
+            pass
+        peer = failing_peer(config, config.rank(party_id), _Err(line))
+        if peer is not None and peer != party_id:
+            return peer
+    return None
+
+
+def supervise(config: NodeConfig, party_id: str, output_dir: str, worker_cmd: list[str]) -> int:
+    """Run `worker_cmd` (sharing this process's stdout/stderr); return the party's exit status."""
+    worker = subprocess.Popen(worker_cmd)
+    deadline = time.monotonic() + config.job.timeout_s
+    try:
+        while worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        timed_out = worker.poll() is None
+        if timed_out:
+            worker.kill()
+        worker.wait()
+    code = worker.returncode
+    if timed_out:
+        report(party_id, f"no result within job.timeout_s={config.job.timeout_s:g} s; "
+                         "the worker was stopped")
+        return EXIT_PEER
+    if code in (EXIT_OK, EXIT_CONFIG, EXIT_PEER, 1):
+        return code  # the worker reported for itself
+    log_path = spu_log_path(output_dir, party_id)
+    culprit, why = blame(config, party_id, blame_from_log(config, party_id, log_path))
+    report(party_id, f"{why}; the link layer ended this party's worker (status {code}, "
+                     f"see {log_path})")
+    return EXIT_PEER
+
+
+def report(party_id: str, message: str) -> None:
+    print(f"[party {party_id}] error: {message}", file=sys.stderr, flush=True)
