@@ -204,8 +204,9 @@ def run(FLAGS) -> None:
     policies = build_policies(FLAGS)
     lengths = parse_numbers("lengths", FLAGS.lengths, int)
     depths = parse_numbers("depths", FLAGS.depths, float)
-    loaded = registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
-                           seed=FLAGS.seed, num_layers=FLAGS.num_layers)
+    loaded = common.with_model_numerics(
+        registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
+                      seed=FLAGS.seed, num_layers=FLAGS.num_layers), FLAGS)
     if loaded.tokenizer is None:
         raise SystemExit(f"model {FLAGS.model!r} has no tokenizer; accuracy runs need a real model")
     samples = make_samples(FLAGS, loaded.tokenizer, lengths, depths)

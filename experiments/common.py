@@ -28,6 +28,16 @@ def flag_values(FLAGS) -> dict[str, Any]:
             for flag in FLAGS.get_flags_for_module("experiments.flags_def")}
 
 
+def with_model_numerics(loaded, FLAGS):
+    """Apply the model-numerics flags (`--activation_impl`) to a registry.LoadedModel: same
+    weights, the model's configuration changed (the accuracy harness measures their effect)."""
+    from models.model import Model
+    impl = getattr(FLAGS, "activation_impl", "exact")
+    if impl != loaded.model.cfg.activation_impl:
+        loaded.model = Model(loaded.model.cfg.replace(activation_impl=impl))
+    return loaded
+
+
 def ensure_dir(path: str | os.PathLike) -> pathlib.Path:
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -29,12 +29,12 @@ from mpcache_jax.policies import make_policy
 from models import registry
 from models.model import Model
 
-# Cheaper top-k per protocol, measured by `--mpc_bench=topk` (experiments/flags/mpc_topk.flags):
-# the pairwise rank wins for the candidate counts MPCache scores (tens of clusters) under
-# every protocol; its N^2 comparisons lose to lax.top_k's sorting network beyond
-# RANK_MAX_CANDIDATES candidates per row (token-level selection over long caches).
-DEFAULT_TOPK_METHOD = {"ABY3": "rank", "SEMI2K": "rank", "CHEETAH": "rank"}
-RANK_MAX_CANDIDATES = 128
+# Cheaper top-k per protocol, measured by `--mpc_bench=topk` (experiments/flags/mpc_topk.flags,
+# 32 heads ranked per call, LAN-modelled latency): SPU's lax.top_k sorts the heads one after the
+# other (~1200-3000 messages); the pairwise rank ranks every head at once in constant depth
+# (17-30 messages) but needs N^2 comparisons (~5x (ABY3) / ~2x (SEMI2K) the bytes of lax). The
+# rank is the faster one up to RANK_MAX_CANDIDATES candidates per head, lax beyond.
+RANK_MAX_CANDIDATES = {"ABY3": 32, "SEMI2K": 64, "CHEETAH": 32}
 ORACLE = "oracle"
 NEW_SLOTS = 8  # room for generated tokens in every policy's cache
 
@@ -58,9 +58,7 @@ def protocols(FLAGS) -> list[str]:
 def topk_method_for(FLAGS, protocol: str, candidates: int) -> str:
     if FLAGS.topk_method != "auto":
         return FLAGS.topk_method
-    if candidates > RANK_MAX_CANDIDATES:
-        return "lax"
-    return DEFAULT_TOPK_METHOD.get(protocol, "lax")
+    return "rank" if candidates <= RANK_MAX_CANDIDATES.get(protocol, 32) else "lax"
 
 
 def build_policy(FLAGS, name: str, protocol: str, prompt_len: int):
@@ -101,26 +99,38 @@ def _record(FLAGS, bench, protocol, cfg, model_name, num_layers, policy_name, se
 def bench_decode(FLAGS, out_path):
     loaded = registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
                            seed=FLAGS.seed, num_layers=FLAGS.num_layers)
-    model = Model(loaded.model.cfg.replace(activation_impl=FLAGS.activation_impl))
-    params, cfgm = loaded.params, model.cfg
+    full_cfg = loaded.model.cfg.replace(activation_impl=FLAGS.activation_impl)
     seq_lens = [int(t) for t in FLAGS.seq_lens]
+    # The decoder layers do not depend on the vocabulary: cost them with a 256-token vocabulary
+    # (the one-hot embedding of the new token shrinks accordingly) so that only the layers'
+    # weights are secret-shared; the real-vocabulary LM head is costed once on its own.
+    # Random weights; positions extended to the longest cache (GPT-2 geometry has 1024).
+    cfgm = full_cfg.replace(vocab_size=256,
+                            max_position=max(full_cfg.max_position, max(seq_lens) + NEW_SLOTS + 1))
+    model = Model(cfgm)
+    params = model.init_params(FLAGS.seed)
+    params_shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    head_params = {k: loaded.params[k] for k in ("final_norm", "lm_head")}
+    del loaded
     rng = np.random.RandomState(FLAGS.seed)
     records = []
     for protocol in protocols(FLAGS):
         cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
         backend = mpc.make_backend(FLAGS.backend, cfg)
-        session = mpc.SecureSession(backend, model, params, make_policy("full"))
         # LM head + argmax: policy independent, once per protocol.
-        head = backend.compile(mpc.head_fn(model), (session._params_shape,
-                                                    np.zeros((1, cfgm.hidden_size), np.float32)),
+        head_model = Model(full_cfg)
+        head = backend.compile(mpc.head_fn(head_model), (head_params,
+                                                         np.zeros((1, cfgm.hidden_size), np.float32)),
                                (mpc.SECRET, mpc.SECRET))
         hidden = backend.share(rng.randn(1, cfgm.hidden_size).astype(np.float32) * 0.1, mpc.SECRET)
-        _, cost, wall = backend.run(head, session.params, hidden)
+        _, cost, wall = backend.run(head, backend.share(head_params, mpc.SECRET, owner=mpc.SERVER),
+                                    hidden)
         rec = _record(FLAGS, "decode", protocol, cfg, FLAGS.model, cfgm.num_layers, "lm_head", 0,
-                      cost, wall, {"scope": "lm_head"})
+                      cost, wall, {"scope": "lm_head", "vocab_size": full_cfg.vocab_size})
         records.append(rec)
         write_jsonl(out_path, [rec], append=True)
         _print_row(rec)
+        params_sh = backend.share(params, mpc.SECRET, owner=mpc.SERVER)
         for T in seq_lens:
             prompt = rng.randint(0, cfgm.vocab_size, T)
             need_queries = True
@@ -136,12 +146,12 @@ def bench_decode(FLAGS, out_path):
                     if T > FLAGS.no_cache_max_len:
                         print(f"  skip no_cache at {T} > --no_cache_max_len={FLAGS.no_cache_max_len}")
                         continue
-                    args = (session._params_shape, np.zeros((T + 1, cfgm.vocab_size), np.float32))
+                    args = (params_shape, np.zeros((T + 1, cfgm.vocab_size), np.float32))
                     prog = backend.compile(mpc.forward_layers_fn(model), args,
                                            (mpc.SECRET, mpc.SECRET))
                     toks = backend.share(mpc.onehot(np.append(prompt, 1), cfgm.vocab_size),
                                          mpc.SECRET, owner=mpc.CLIENT)
-                    _, cost, wall = backend.run(prog, session.params, toks)
+                    _, cost, wall = backend.run(prog, params_sh, toks)
                 else:
                     cache = apply_policy(policy, dense, aux, NEW_SLOTS)
                     example = jax.tree_util.tree_map(
@@ -150,13 +160,13 @@ def bench_decode(FLAGS, out_path):
                     # (masks of kept slots, counters), kept public through decode steps.
                     pre_vis = mpc.dependency_visibility(
                         lambda p, t, c: apply_policy_traced(policy, model, p, t, c),
-                        (session._params_shape,
+                        (params_shape,
                          jax.ShapeDtypeStruct((T, cfgm.vocab_size), jnp.float32),
                          model.init_cache(T + NEW_SLOTS)),
                         (mpc.SECRET, mpc.SECRET, mpc.cache_visibility(model.init_cache(T + NEW_SLOTS))))
-                    vis = mpc.steady_cache_visibility(model, policy, session._params_shape, example,
+                    vis = mpc.steady_cache_visibility(model, policy, params_shape, example,
                                                       pre_vis)
-                    args = (session._params_shape, np.zeros((cfgm.vocab_size,), np.float32),
+                    args = (params_shape, np.zeros((cfgm.vocab_size,), np.float32),
                             np.int32(0), example)
                     t0 = time.perf_counter()
                     prog = backend.compile(mpc.decode_layers_fn(model, policy), args,
@@ -166,7 +176,7 @@ def bench_decode(FLAGS, out_path):
                     tok = backend.share(mpc.onehot(int(np.argmax(logits)), cfgm.vocab_size),
                                         mpc.SECRET, owner=mpc.CLIENT)
                     pos = backend.share(np.int32(T), mpc.PUBLIC)
-                    _, cost, wall = backend.run(prog, session.params, tok, pos, cache_sh)
+                    _, cost, wall = backend.run(prog, params_sh, tok, pos, cache_sh)
                     del cache_sh
                 rec = _record(FLAGS, "decode", protocol, cfg, FLAGS.model, cfgm.num_layers, label,
                               T, cost, wall, extra)
@@ -280,7 +290,64 @@ def bench_topk(FLAGS, out_path):
     return records
 
 
-BENCHES = {"decode": bench_decode, "gather": bench_gather, "topk": bench_topk}
+# ----- secure generation (real model) ----------------------------------------------------------------
+def bench_generate(FLAGS, out_path):
+    """Greedy secure generation (prefill + static eviction + decode steps under MPC) vs the
+    plaintext run of the same programs; records time and communication per step."""
+    from experiments.common import with_model_numerics
+    loaded = with_model_numerics(registry.load(
+        FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir, seed=FLAGS.seed,
+        num_layers=FLAGS.num_layers), FLAGS)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"model {FLAGS.model!r} has no tokenizer; secure generation needs one")
+    prompt_ids = tok.encode_chat(FLAGS.prompt, system=FLAGS.system_prompt) if FLAGS.chat \
+        else tok.encode(FLAGS.prompt)
+    records = []
+    for protocol in protocols(FLAGS):
+        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
+        for name in FLAGS.policies:
+            policy, budget = build_policy(FLAGS, name, protocol, len(prompt_ids))
+            plain = mpc.SecureSession(mpc.make_backend("xla"), loaded.model, loaded.params,
+                                      policy).generate(prompt_ids, FLAGS.max_new_tokens)
+            backend = mpc.make_backend(FLAGS.backend, cfg)
+            t0 = time.perf_counter()
+            secure = mpc.SecureSession(backend, loaded.model, loaded.params, policy).generate(
+                prompt_ids, FLAGS.max_new_tokens)
+            total = time.perf_counter() - t0
+            decode = [s for s in secure.steps if s.phase == "decode" and s.cost is not None]
+            match = secure.tokens == plain.tokens
+            print(f"  {protocol} {name}: secure {secure.tokens}\n  {' ' * len(protocol)} {name}: "
+                  f"plain  {plain.tokens} -> {'SAME' if match else 'DIFFERENT'} tokens; "
+                  f"text {tok.decode(secure.tokens)!r}")
+            for step in secure.steps:
+                if step.cost is None:
+                    continue
+                rec = _record(FLAGS, "generate", protocol, cfg, FLAGS.model,
+                              loaded.model.cfg.num_layers, name, step.position, step.cost,
+                              step.wall_s, {"phase": step.phase, "budget": budget})
+                records.append(rec)
+                write_jsonl(out_path, [rec], append=True)
+                _print_row(rec)
+            summary = {"bench": "generate_summary", "policy": name, "protocol": protocol,
+                       "model": FLAGS.model, "prompt_tokens": len(prompt_ids),
+                       "tokens_secure": secure.tokens, "tokens_plain": plain.tokens,
+                       "same_tokens": match, "text": tok.decode(secure.tokens),
+                       "total_s": round(total, 2), "compile_s": round(secure.compile_s, 2),
+                       "decode_s_per_token": round(float(np.mean([s.wall_s for s in decode])), 3)
+                       if decode else None,
+                       "decode_comm_bytes_per_token": int(np.mean(
+                           [mpc.cost_fields(s.cost, 0, cfg.parties)["comm_bytes"] for s in decode]))
+                       if decode and cfg else None,
+                       "git_commit": git_commit()}
+            records.append(summary)
+            write_jsonl(out_path, [summary], append=True)
+            print(f"  summary: {summary}")
+    return records
+
+
+BENCHES = {"decode": bench_decode, "gather": bench_gather, "topk": bench_topk,
+           "generate": bench_generate}
 
 
 def run(FLAGS):
