@@ -105,33 +105,35 @@ def parse_profile_log(text: str) -> list[RunCost]:
 
 
 # ----- phases ----------------------------------------------------------------------------------
-# SPU profiles per op kind, not per source location, so phases are attributed by pphlo op kind.
-# The mapping is coarse by necessity: `dot` covers every matmul (projections, MLP, q.K, p.V,
-# cluster scoring and one-hot gathers alike); `equal` + cumulative sums are the one-hot
-# conversion of gathers; comparisons/selects outside reductions are the pairwise-rank top-k.
-# Exact per-phase costs come from differential runs (policy step minus the oracle step with the
-# same attended-token count = selection + gather overhead; see experiments/mpc_cost.py).
+# SPU profiles per op kind, not per source location, so the breakdown is by op class. What each
+# class holds in a decode step of this project's programs:
+#   matmul        projections, MLP, q.K and p.V, cluster scoring and one-hot gathers
+#   exp           attention softmax and the sigmoid inside SiLU (exact activations)
+#   divide        the softmax normalisation;  reciprocal: the sigmoid of SiLU (exact)
+#   rsqrt         RMSNorm / LayerNorm
+#   tanh          GeLU (gelu_tanh)
+#   compare       top-k (sorting network or pairwise rank), piecewise-polynomial activations
+#   equal         one-hot conversion of secret indices (gathers)
+#   reduce        row maxima (softmax), argmax, cluster bounds
+# Semantic phases that op classes cannot separate are measured by differential runs in
+# experiments/mpc_cost.py (selection + gather = policy step - oracle step; MLP activation alone).
 PHASE_OF_OP = (
-    ("linear", ("pphlo.dot", "pphlo.dot_general", "pphlo.convolution")),
-    ("softmax", ("pphlo.exponential", "pphlo.divide", "pphlo.reciprocal")),
-    ("norm", ("pphlo.rsqrt", "pphlo.sqrt")),
-    ("mlp_nonlinear", ("pphlo.logistic", "pphlo.tanh", "pphlo.erf", "pphlo.power")),
-    ("topk", ("pphlo.custom_call: mhlo.topk", "pphlo.sort", "pphlo.custom_call: spu.topk",
-              "pphlo.greater", "pphlo.greater_equal", "pphlo.less", "pphlo.less_equal",
-              "pphlo.select", "pphlo.maximum", "pphlo.minimum")),
-    ("gather_onehot", ("pphlo.equal", "pphlo.not_equal", "pphlo.reduce_window",
-                       "pphlo.gather", "pphlo.dynamic_slice")),
-    ("max_reduce", ("pphlo.reduce",)),
-    ("elementwise", ("pphlo.multiply", "pphlo.convert", "pphlo.add", "pphlo.subtract",
-                     "pphlo.negate", "pphlo.dynamic_update_slice", "pphlo.concatenate",
-                     "pphlo.pad", "pphlo.while", "pphlo.and", "pphlo.or", "pphlo.not")),
+    ("matmul", ("pphlo.dot", "pphlo.dot_general", "pphlo.convolution")),
+    ("exp", ("pphlo.exponential",)),
+    ("divide", ("pphlo.divide",)),
+    ("reciprocal", ("pphlo.reciprocal", "pphlo.logistic")),
+    ("rsqrt", ("pphlo.rsqrt", "pphlo.sqrt")),
+    ("tanh", ("pphlo.tanh", "pphlo.erf")),
+    ("compare", ("pphlo.custom_call: mhlo.topk", "pphlo.sort", "pphlo.greater",
+                 "pphlo.greater_equal", "pphlo.less", "pphlo.less_equal", "pphlo.select",
+                 "pphlo.maximum", "pphlo.minimum")),
+    ("equal", ("pphlo.equal", "pphlo.not_equal")),
+    ("reduce", ("pphlo.reduce", "pphlo.reduce_window")),
 )
 _PHASE = {op: phase for phase, ops in PHASE_OF_OP for op in ops}
-
-
 def phase_breakdown(run: RunCost) -> dict[str, dict[str, float]]:
-    """{phase: {comm_bytes, messages, seconds}} from the HLO (pphlo) section of a run. Ops with
-    no communication and no time worth reporting end up in `other`."""
+    """{op class: {comm_bytes, messages, seconds}} from the HLO (pphlo) section of a run (party
+    0's sent + received bytes, sent messages). Unlisted ops (multiply, add, ...) are `other`."""
     out: dict[str, dict[str, float]] = {}
     for op, c in run.ops.get("HLO", {}).items():
         phase = _PHASE.get(op, "other")
@@ -168,9 +170,13 @@ def cost_fields(run: RunCost, wall_s: float, parties: int) -> dict:
     comm_bytes: bytes sent by all parties, estimated as party 0's sent bytes x parties (SPU's
     simulator profiles party 0 only; ABY3/SEMI2K are symmetric up to a few percent);
     messages: party 0's send actions (round proxy); wall_s: measured simulation time (all
-    parties on this machine's cores); lan/wan_latency_s: modelled per-party compute (party 0's
-    profiled execution time) + party 0's sent bytes / bandwidth + messages x RTT.
+    parties share this machine's cores); compute_s: party 0's profiled execution time;
+    lan/wan_latency_s: modelled network time, party 0's sent bytes / bandwidth + messages x
+    RTT; lan/wan_total_s: network time + compute_s (compute measured in simulation, where the
+    parties compete for the same cores, so it overstates a deployment's compute).
     """
+    lan = LAN.latency(run.send_bytes, run.send_actions)
+    wan = WAN.latency(run.send_bytes, run.send_actions)
     return {
         "comm_bytes": int(run.send_bytes * parties),
         "party0_send_bytes": int(run.send_bytes),
@@ -178,7 +184,11 @@ def cost_fields(run: RunCost, wall_s: float, parties: int) -> dict:
         "messages": int(run.send_actions),
         "wall_s": round(float(wall_s), 4),
         "compute_s": round(float(run.exec_s), 4),
-        "lan_latency_s": round(LAN.latency(run.send_bytes, run.send_actions, run.exec_s), 4),
-        "wan_latency_s": round(WAN.latency(run.send_bytes, run.send_actions, run.exec_s), 4),
+        "lan_latency_s": round(lan, 5),
+        "wan_latency_s": round(wan, 4),
+        "lan_total_s": round(lan + run.exec_s, 4),
+        "wan_total_s": round(wan + run.exec_s, 4),
         "phase_breakdown": phase_breakdown(run),
+        "ops": {op: [c.send_bytes, c.send_actions, round(c.seconds, 5)]
+                for op, c in run.ops.get("HLO", {}).items() if c.send_bytes or c.seconds > 1e-3},
     }
