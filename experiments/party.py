@@ -10,6 +10,7 @@ see mpcache_jax/distributed/supervise.py for why.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
@@ -56,7 +57,11 @@ def main(argv):
         record = run_party(config, who, FLAGS.output_dir)
         if record is not None:
             print(json.dumps(record))
-        return 0
+        # Leave now: the link's send threads may still retry a last acknowledgement to a peer
+        # that has already exited, and yacl ends the process (status 255) when that fails.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except NodeConfigError as err:
         print(f"[party {who}] error: bad node config: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)

@@ -31,6 +31,7 @@ from mpcache_jax.distributed.config import NodeConfig
 from mpcache_jax.distributed import costs, job as job_lib
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_PEER = 0, 1, 2, 3
+LINGER_S = 1.0
 
 
 class PartyFailure(RuntimeError):
@@ -374,17 +375,20 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) 
                                      "input_sharing": t_inputs - t_program})
     gathered_costs = [json.loads(b) for b in chan.all_gather(json.dumps(mine),
                                                              "exchanging costs")]
+    record = None
+    if is_client:
+        tokens = np.asarray(revealed[0]).astype(np.int64)
+        arrays = {"tokens": tokens}
+        if job.reveal_logits:
+            arrays["logits"] = np.asarray(revealed[1])
+        np.savez(out / "outputs.npz", **arrays)
+        record = costs.node_record(config, gathered_costs, tokens.tolist())
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        log(party_id, f"tokens {tokens.tolist()}; record appended to {out / 'results.jsonl'}")
     watchdog.stop()
-    chan.ctx.stop_link()
-    if not is_client:
-        return None
-    tokens = np.asarray(revealed[0]).astype(np.int64)
-    arrays = {"tokens": tokens}
-    if job.reveal_logits:
-        arrays["logits"] = np.asarray(revealed[1])
-    np.savez(out / "outputs.npz", **arrays)
-    record = costs.node_record(config, gathered_costs, tokens.tolist())
-    with open(out / "results.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-    log(party_id, f"tokens {tokens.tolist()}; record appended to {out / 'results.jsonl'}")
+    # No stop_link: its shutdown messages race with peers that have already left, and a
+    # failed send makes yacl end the process. Linger so in-flight acknowledgements complete,
+    # then the caller exits the process (experiments.party uses os._exit).
+    time.sleep(LINGER_S)
     return record
