@@ -2,7 +2,9 @@
 
 Run the same command with each party's id on its host (see experiments/nodes/*.json for the
 config format). `--party=all` starts every party of a loopback config as local processes,
-waits for them and tears them down (what `experiments.run --backend=spu_nodes` does).
+waits for them and tears them down (what `experiments.run --backend=spu_nodes` does);
+with `--compare_sim --policies=full,mpcache` it also runs each policy in spu_sim and prints
+simulated vs multi-process cost.
 Exit status: 0 success, 2 malformed config, 3 another party failed (named in the message),
 1 anything else. The party's work runs in a supervised worker process (`--worker`, internal):
 see mpcache_jax/distributed/supervise.py for why.
@@ -21,6 +23,10 @@ flags.DEFINE_string("party", None, "This party's node id (a key of 'nodes'), or 
 flags.DEFINE_string("output_dir", "results/nodes", "SPU logs, results.jsonl, outputs.npz.")
 flags.DEFINE_string("job", None, 'JSON overrides of the config\'s "job" (with --party=all), '
                     'e.g. \'{"policy": "full"}\'.')
+flags.DEFINE_list("policies", None, "With --party=all: run the job once per policy (default: "
+                  "the config's policy).")
+flags.DEFINE_bool("compare_sim", False, "With --party=all: also run each policy in spu_sim and "
+                  "print simulated vs multi-process cost (mpcache_jax/distributed/compare.py).")
 flags.DEFINE_bool("worker", False, "Internal: run the party itself (the default supervises it).")
 flags.mark_flags_as_required(["node_config", "party"])
 FLAGS = flags.FLAGS
@@ -42,8 +48,15 @@ def main(argv):
     try:
         if who == "all":
             overrides = json.loads(FLAGS.job) if FLAGS.job else {}
-            for record in run_loopback(FLAGS.node_config, FLAGS.output_dir, **overrides):
-                print(json.dumps(record))
+            if FLAGS.compare_sim:
+                from mpcache_jax.distributed.compare import compare_backends
+                policies = FLAGS.policies or [load_node_config(FLAGS.node_config).job.policy]
+                compare_backends(FLAGS.node_config, policies, FLAGS.output_dir, **overrides)
+                return 0
+            for policy in FLAGS.policies or [None]:
+                job = {**overrides, **({"policy": policy} if policy else {})}
+                for record in run_loopback(FLAGS.node_config, FLAGS.output_dir, **job):
+                    print(json.dumps(record))
             return 0
         config = load_node_config(FLAGS.node_config, party=who)
         if FLAGS.job:

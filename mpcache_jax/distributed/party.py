@@ -370,7 +370,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) 
         chan.send(config.prompt_owner, pickle.dumps(my_out), "sending output shares")
 
     # 6. costs: each party's own profile, gathered everywhere, recorded by the prompt owner.
-    mine = costs.party_cost(log_path, log_offset, party_id, rank, run_s,
+    mine = costs.party_cost(log_path, log_offset, party_id, rank, run_s, world,
                             setup_s={"link_and_program": t_program - t_start,
                                      "input_sharing": t_inputs - t_program})
     gathered_costs = [json.loads(b) for b in chan.all_gather(json.dumps(mine),
