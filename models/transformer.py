@@ -78,7 +78,9 @@ def _fit_segment(fn, lo: float, hi: float, degree: int) -> np.ndarray:
     mid, half = (lo + hi) / 2, (hi - lo) / 2
     nodes = np.cos(np.linspace(0.0, np.pi, 2000))
     x = nodes * half + mid
-    cheb = np.polynomial.chebyshev.chebfit(nodes, np.asarray(fn(jnp.asarray(x))), degree)
+    with jax.ensure_compile_time_eval():  # the fit may first happen while a model is traced
+        y = np.asarray(fn(jnp.asarray(x)))
+    cheb = np.polynomial.chebyshev.chebfit(nodes, y, degree)
     return np.polynomial.chebyshev.cheb2poly(cheb).astype(np.float32)
 
 

@@ -93,6 +93,14 @@ def test_poly_activations_stay_close_to_exact(name, bound):
     assert float(activation_fn(name, "poly")(jnp.float32(30.0))) == 30.0
 
 
+def test_poly_activation_model_runs_jitted_and_stays_close(tiny):
+    from models.model import Model
+    model, params, prompt = tiny
+    exact = np.asarray(model.forward(params, prompt[:16]))
+    poly = np.asarray(Model(model.cfg.replace(activation_impl="poly")).forward(params, prompt[:16]))
+    assert 0 < np.max(np.abs(poly - exact)) < 0.05
+
+
 def test_default_activation_is_the_exact_one():
     assert registry.get_config("llama-tiny").activation_impl == "exact"
     x = jnp.linspace(-5, 5, 11)

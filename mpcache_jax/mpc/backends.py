@@ -16,10 +16,13 @@ weights stay secret-shared from step to step; only what the caller reveals is re
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import queue
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -80,14 +83,63 @@ class Program:
     out_visibility: list = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Shared:
-    """One secret-shared (or public) array: per-party `libspu.Share` objects."""
+    """Handle on one secret-shared (or public) array held by the parties' runtimes under
+    `name` (its shares never come back to Python unless revealed). Freed when collected."""
 
-    shares: list
-    shape: tuple
+    name: str
+    shape: tuple | None
     dtype: Any
     visibility: str
+
+
+class _Parties:
+    """One long-lived thread per party, each with its SPU runtime and link: values set once
+    (weights, the KV cache) stay in the runtimes across programs, as in a deployment."""
+
+    def __init__(self, libspu, spu_api, world: int, rt_config):
+        self.world = world
+        self.queues = [queue.Queue() for _ in range(world)]
+        self.replies = [queue.Queue() for _ in range(world)]
+        desc = libspu.link.Desc()
+        for rank in range(world):
+            desc.add_party(f"id_{rank}", f"thread_{rank}")
+
+        def serve(rank):
+            link = libspu.link.create_mem(desc, rank)
+            cfg = libspu.RuntimeConfig(rt_config)
+            if rank != 0:
+                cfg.enable_pphlo_profile = False
+                cfg.enable_hal_profile = False
+            rt = spu_api.Runtime(link, cfg)
+            while True:
+                job = self.queues[rank].get()
+                if job is None:
+                    return
+                try:
+                    self.replies[rank].put((True, job(rank, rt)))
+                except BaseException as err:  # surfaced in the caller's thread
+                    self.replies[rank].put((False, err))
+
+        self.threads = [threading.Thread(target=serve, args=(r,), daemon=True)
+                        for r in range(world)]
+        for t in self.threads:
+            t.start()
+
+    def call(self, job: Callable) -> list:
+        """Run job(rank, runtime) on every party at once; results in rank order."""
+        for q in self.queues:
+            q.put(job)
+        replies = [q.get() for q in self.replies]
+        for ok, value in replies:
+            if not ok:
+                raise value
+        return [value for _, value in replies]
+
+    def close(self):
+        for q in self.queues:
+            q.put(None)
 
 
 class XLABackend:
@@ -126,12 +178,14 @@ class XLABackend:
 class SpuSimBackend:
     """SPU's protocols with all parties as threads of this process (in-memory links).
 
-    The runtime of party 0 profiles every run; its log lines go to `log_path` (one file per
-    process, set up on first use) and are parsed after each run into a RunCost."""
+    Each party keeps one runtime for the backend's lifetime; shared values live in the
+    runtimes (Shared handles). The runtime of party 0 profiles every run; its log lines go to
+    one file per process (set up on first use) and are parsed after each run into a RunCost."""
 
     name = "spu_sim"
     _log_lock = threading.Lock()
     _log_path: str | None = None
+    _counter = itertools.count()
 
     def __init__(self, config: MPCConfig, profile: bool = True):
         import spu.libspu as libspu
@@ -144,6 +198,8 @@ class SpuSimBackend:
         self.io = spu_api.Io(self.world, self.rt_config)
         if profile:
             self._setup_logging()
+        self.parties = _Parties(libspu, spu_api, self.world, self.rt_config)
+        self._finalizer = weakref.finalize(self, self.parties.close)
 
     @classmethod
     def _setup_logging(cls):
@@ -178,8 +234,21 @@ class SpuSimBackend:
                        ir, output_visibility(ir))
 
     # ----- data -----------------------------------------------------------------------------
+    def _handle(self, shape, dtype, visibility) -> Shared:
+        handle = Shared(f"v{next(self._counter)}", shape, dtype, visibility)
+        weakref.finalize(handle, self._free, handle.name)
+        return handle
+
+    def _free(self, name: str):
+        if self._finalizer.alive:
+            try:
+                self.parties.call(lambda rank, rt: rt.del_var(name))
+            except Exception:  # the runtimes are shutting down
+                pass
+
     def share(self, tree, visibility=SECRET, owner: int = -1):
-        """Secret-share (or publicly encode) every leaf; `owner` is the providing party."""
+        """Secret-share (or publicly encode) every leaf into the parties' runtimes; `owner` is
+        the providing party (a hint SPU may use to co-locate a share)."""
         vis = broadcast_visibility(visibility, tree)
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         out = []
@@ -187,7 +256,11 @@ class SpuSimBackend:
             arr = np.asarray(leaf)
             kind = (self.libspu.Visibility.VIS_SECRET if v == SECRET
                     else self.libspu.Visibility.VIS_PUBLIC)
-            out.append(Shared(self.io.make_shares(arr, kind, owner), arr.shape, arr.dtype, v))
+            shares = self.io.make_shares(arr, kind, owner)
+            handle = self._handle(arr.shape, arr.dtype, v)
+            self.parties.call(lambda rank, rt, n=handle.name: rt.set_var(n, shares[rank]))
+            del shares
+            out.append(handle)
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def to_visibility(self, tree, visibility):
@@ -202,18 +275,20 @@ class SpuSimBackend:
             elif want == PUBLIC:
                 raise ValueError("refusing to make a secret value public")
             else:
-                value = np.asarray(self.io.reconstruct(leaf.shares))
-                out.append(self.share(value, SECRET))
+                out.append(self.share(np.asarray(self._reconstruct(leaf)), SECRET))
         return jax.tree_util.tree_unflatten(treedef, out)
+
+    def _reconstruct(self, handle: Shared):
+        return self.io.reconstruct(self.parties.call(lambda rank, rt: rt.get_var(handle.name)))
 
     def reveal(self, tree):
         """Reconstruct every Shared leaf (in a deployment: only the output owner does this)."""
-        return jax.tree_util.tree_map(lambda s: self.io.reconstruct(s.shares), tree,
+        return jax.tree_util.tree_map(self._reconstruct, tree,
                                       is_leaf=lambda x: isinstance(x, Shared))
 
     # ----- run ------------------------------------------------------------------------------
     def run(self, program: Program, *args):
-        """Run on already shared inputs. Returns (outputs as Shared pytree, RunCost, wall_s)."""
+        """Run on shared inputs. Returns (outputs as Shared handles, RunCost, wall_s)."""
         leaves = jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, Shared))
         if any(not isinstance(x, Shared) for x in leaves):
             raise TypeError("SpuSimBackend.run takes shared inputs: call backend.share first")
@@ -224,42 +299,16 @@ class SpuSimBackend:
             if x.visibility != v:
                 raise ValueError(f"input {i} of {program.name} was shared as {x.visibility} but "
                                  f"the program was compiled for {v}")
-        ex = program.executable
-        desc = self.libspu.link.Desc()
-        for rank in range(self.world):
-            desc.add_party(f"id_{rank}", f"thread_{rank}")
-        results: list = [None] * self.world
-        errors: list = []
-
-        def party(rank):
-            try:
-                link = self.libspu.link.create_mem(desc, rank)
-                cfg = self.libspu.RuntimeConfig(self.rt_config)
-                if rank != 0:
-                    cfg.enable_pphlo_profile = False
-                    cfg.enable_hal_profile = False
-                rt = self.spu_api.Runtime(link, cfg)
-                for name, x in zip(ex.input_names, leaves):
-                    rt.set_var(name, x.shares[rank])
-                rt.run(ex)
-                results[rank] = [rt.get_var(name) for name in ex.output_names]
-            except BaseException as err:  # surfaced in the caller's thread
-                errors.append(err)
-
+        outs = [self._handle(None, None, vis) for vis in program.out_visibility]
+        ex = self.libspu.Executable(name=program.name, input_names=[x.name for x in leaves],
+                                    output_names=[o.name for o in outs],
+                                    code=program.executable.code)
         with self._log_lock:
             offset = self._log_size()
             start = time.perf_counter()
-            threads = [threading.Thread(target=party, args=(r,)) for r in range(self.world)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            self.parties.call(lambda rank, rt: rt.run(ex))
             wall = time.perf_counter() - start
-            if errors:
-                raise errors[0]
             cost = self._read_cost(offset) if self.profile else None
-        outs = [Shared(list(per_rank), None, None, vis)
-                for per_rank, vis in zip(zip(*results), program.out_visibility)]
         return jax.tree_util.tree_unflatten(program.out_tree, outs), cost, wall
 
     def _log_size(self) -> int:
