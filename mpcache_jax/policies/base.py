@@ -282,7 +282,7 @@ class DecodeEvictionPolicy(PromptEvictionPolicy):
         count = self.kept_count(T)
         slots = self.buffer_slots(T, max_new_tokens)
         forced = self.forced_keep(T, count)
-        carry = None
+        carry = self.compress_carry(cache, aux)
         out = []
         for index, layer in enumerate(cache):
             k, v = prompt_kv(layer, T)
@@ -356,7 +356,7 @@ class LayerBudgetPolicy(PromptEvictionPolicy):
             raise ValueError(f"policy {self.name!r} scores tokens with the prompt queries: call "
                              "prefill(..., return_queries=True)")
         counts = self.layer_counts(len(cache), T)
-        carry = None
+        carry = self.compress_carry(cache, aux)
         out = []
         for index, (layer, count) in enumerate(zip(cache, counts)):
             k, v = prompt_kv(layer, T)
@@ -364,10 +364,35 @@ class LayerBudgetPolicy(PromptEvictionPolicy):
                 keep = jnp.ones((T,), k.dtype)
             else:
                 q = aux.queries[index] if aux.queries is not None else None
-                scores, carry = self.keep_scores(index, q, k, T, carry)
-                keep = P.topk_mask(scores, count, forced=self.forced_keep(T, count),
-                                   method=self.topk_method)
+                keep, carry = self.keep_mask(index, q, k, T, count, self.forced_keep(T, count),
+                                             carry)
             kept_k, kept_v, valid = keep_by_mask(k, v, keep, count, count)
             out.append(PrunedLayer(kept_k, kept_v, valid, new_region(layer, max_new_tokens),
-                                   None, prompt_len=T, kept=count))
+                                   self.layer_extras(kept_k, valid), prompt_len=T, kept=count))
         return tuple(out)
+
+
+def causal_attention_mass(q: jax.Array, k: jax.Array, chunk: int = 128) -> jax.Array:
+    """Attention every prompt query gives each key, summed over the queries (causal): the
+    same as window_attention_mass(q, k, T) without a [T, T] mask or score matrix.
+
+    q: [H, T, d]; k: [H_kv, T, d] -> [H_kv, G, T]. Queries go through a scan in chunks of
+    `chunk` rows (the causal mask of a chunk is an iota comparison, so nothing T x T is
+    materialized or constant-folded).
+    """
+    H, T, d = q.shape
+    Hkv = k.shape[0]
+    chunk = min(chunk, T)
+    n = -(-T // chunk)
+    q = jnp.pad(q, ((0, 0), (0, n * chunk - T), (0, 0)))
+    keys = jnp.arange(T)
+
+    def body(total, start):
+        rows = jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1)          # [H, c, d]
+        positions = start + jnp.arange(chunk)
+        valid = (keys[None, :] <= positions[:, None]) & (positions[:, None] < T)
+        probs = attention.masked_softmax(attention.grouped_scores(rows, k), valid)
+        return total + jnp.sum(probs, axis=2), None
+
+    total = jnp.zeros((Hkv, H // Hkv, T), q.dtype)
+    return jax.lax.scan(body, total, jnp.arange(n) * chunk)[0]

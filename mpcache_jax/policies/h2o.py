@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from mpcache_jax.policies.base import DecodeEvictionPolicy, window_attention_mass
+from mpcache_jax.policies.base import DecodeEvictionPolicy, causal_attention_mass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,7 @@ class H2O(DecodeEvictionPolicy):
         return budget - budget // 2
 
     def keep_scores(self, layer, q, k, prompt_len, carry):
-        return jnp.sum(window_attention_mass(q, k, prompt_len), axis=1), carry   # [H_kv, T]
+        return jnp.sum(causal_attention_mass(q, k), axis=1), carry   # [H_kv, T]
 
     def forced_keep(self, prompt_len, count):
         forced = np.zeros(prompt_len, np.float32)

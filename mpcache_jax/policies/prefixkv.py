@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpcache_jax import primitives as P
-from mpcache_jax.policies.base import LayerBudgetPolicy, window_attention_mass
+from mpcache_jax.policies.base import LayerBudgetPolicy, causal_attention_mass
+from mpcache_jax.policies.mpcache import MPCache
 
 CALIBRATION_FORMAT = "prefixkv-lorenz-v1"
 
@@ -112,7 +113,7 @@ class PrefixKV(LayerBudgetPolicy):
         return tuple(counts)
 
     def keep_scores(self, layer, q, k, prompt_len, carry):
-        return jnp.mean(window_attention_mass(q, k, prompt_len), axis=(0, 1)), carry   # [T]
+        return jnp.mean(causal_attention_mass(q, k), axis=(0, 1)), carry   # [T]
 
     def forced_keep(self, prompt_len, count):
         forced = np.zeros(prompt_len, np.float32)
@@ -121,11 +122,28 @@ class PrefixKV(LayerBudgetPolicy):
         return forced
 
 
+@dataclasses.dataclass(frozen=True)
+class MPCachePrefixKV(PrefixKV, MPCache):
+    """MPCache's static eviction (votes of its last prompt queries, sinks and recent tokens
+    kept, layer sharing of the votes) with PrefixKV's calibrated per-layer budgets instead of
+    one budget for every layer. Static only: dynamic selection assumes one budget per layer."""
+
+    name: str = "mpcache_prefixkv"
+    dynamic: bool = False
+    keep_scores = MPCache.keep_scores
+    forced_keep = MPCache.forced_keep
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.dynamic:
+            raise ValueError("mpcache_prefixkv is static eviction only (dynamic=False)")
+
+
 def layer_importance(queries, cache, prompt_len: int) -> np.ndarray:
     """[L, T] column-sum attention averaged over heads, from a prefill with return_queries."""
     rows = []
     for q, layer in zip(queries, cache):
-        mass = window_attention_mass(q, layer.k[:, :prompt_len], prompt_len)
+        mass = causal_attention_mass(q, layer.k[:, :prompt_len])
         rows.append(np.asarray(jnp.mean(mass, axis=(0, 1))))
     return np.stack(rows)
 
@@ -187,7 +205,7 @@ def main(argv=None) -> None:
           f"{list(counts)} (sum {sum(counts)}, target {result['num_layers'] * P.budget_tokens(args.budget, args.length)})")
 
 
-REGISTRY = {"prefixkv": (PrefixKV, {})}
+REGISTRY = {"prefixkv": (PrefixKV, {}), "mpcache_prefixkv": (MPCachePrefixKV, {})}
 
 if __name__ == "__main__":
     main()
