@@ -69,10 +69,46 @@ def test_static_eviction_keeps_most_attended_tokens():
     k[0, 7] = [0, 10, 0, 0]
     q = np.zeros((1, T, d), np.float32)
     q[0, -2:] = [1, 1, 0, 0]
-    policy = MPCache(budget=3, static_keep=3, dynamic=False, window_ratio=0.2)
+    policy = MPCache(budget=3, static_keep=3, dynamic=False, static_window=0.2)
     scores, _ = policy.keep_scores(0, jnp.asarray(q), jnp.asarray(k), T, None)
     keep = P.topk_mask(scores, 3)
     assert set(np.flatnonzero(np.asarray(keep)).tolist()) == {3, 7, 0}  # tie at 0 -> lowest index
+
+
+def test_cluster_static_eviction_keeps_whole_clusters():
+    """Clusters of 4 over T=18 (last cluster partial: 2 tokens). The window votes for token 9
+    only, so its cluster {8..11} is kept whole, plus the forced sink and last clusters."""
+    d, T = 4, 18
+    k = np.zeros((1, T, d), np.float32)
+    k[0, 9] = [10, 0, 0, 0]
+    q = np.zeros((1, T, d), np.float32)
+    q[0, -3:] = [1, 0, 0, 0]
+    policy = MPCache(budget=10, dynamic=False, static_cluster=4, static_window=3,
+                     static_sinks=1, static_recent=1)
+    count = policy.kept_count(T)
+    assert count == 4 + 4 + 2              # two whole clusters and the partial last one
+    mask, _ = policy.keep_mask(0, jnp.asarray(q), jnp.asarray(k), T, count,
+                               policy.forced_keep(T, count), None)
+    assert set(np.flatnonzero(np.asarray(mask)).tolist()) == {0, 1, 2, 3, 8, 9, 10, 11, 16, 17}
+
+
+def test_model_scope_keeps_one_set_for_all_layers(tiny):
+    model, params, tokens = tiny
+    policy = make_policy("mpcache", 40, dynamic=False, static_scope="model",
+                         static_cluster=4, static_window=8, static_sinks=4, static_recent=4)
+    _, cache = _run(model, params, tokens, policy, 120, 1)
+    first = np.asarray(cache[0].k[:, : cache[0].kept])
+    cache_t = model.init_cache(121)
+    _, dense, _ = model.prefill(params, tokens[:120], cache_t)
+    # The kept keys of every layer are the same prompt positions of that layer's dense keys.
+    for l in (0, 1, model.cfg.num_layers - 1):
+        kept = np.asarray(cache[l].k[0, : cache[l].kept])
+        dense_k = np.asarray(dense[l].k[0, :120])
+        pos = [int(np.argmin(np.abs(dense_k - row).sum(-1))) for row in kept]
+        if l == 0:
+            positions = pos
+        assert pos == positions and len(set(pos)) == len(pos) == cache[l].kept
+    assert first.shape[1] == 40 and positions[:4] == [0, 1, 2, 3] and positions[-4:] == [116, 117, 118, 119]
 
 
 def test_cross_layer_sharing_schedule():
@@ -103,6 +139,9 @@ def test_shared_layers_reuse_selection(tiny):
     (dict(budget=20), "always-selected"),
     (dict(static_keep=2.0), "static_keep"),
     (dict(similarity="cosine"), "similarity"),
+    (dict(static_scope="global"), "static_scope"),
+    (dict(static_cluster=0), "static_cluster"),
+    (dict(static_window=0.0), "static_window"),
 ])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):

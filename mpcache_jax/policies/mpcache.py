@@ -24,6 +24,7 @@ from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend
                                        window_attention_mass)
 
 SIMILARITIES = ("alpha", "mp", "avg")
+STATIC_SCOPES = ("layer", "head", "model")
 
 
 def _is_ratio_or_count(value) -> bool:
@@ -41,6 +42,11 @@ class MPCache(PromptEvictionPolicy):
     budget: prompt tokens attended per decode step (ratio of the prompt or a count).
     static_keep: tokens kept by static eviction (ratio or count); None = max(25% of the prompt,
       2 x budget), so the coarse level (which keeps half its clusters) has room to choose.
+    static_window: the last prompt queries that vote (ratio of the prompt, or a count).
+    static_scope: "layer" (one kept set per layer, shared by its heads: the paper), "head" (per
+      KV head) or "model" (one set for every layer, from the votes summed over layers).
+    static_cluster: static eviction keeps whole clusters of this many adjacent tokens, each
+      scored by its strongest token (1 = token level, as the paper).
     levels: ((cluster_size, keep_ratio), ..., (finest_size, None)) coarse to fine; each level
       keeps at least keep_ratio of its valid clusters and enough for the next level; the last
       level selects the final budget. Sizes must divide each other (coarse >= fine).
@@ -51,11 +57,12 @@ class MPCache(PromptEvictionPolicy):
     static_keep: float | int | None = None
     static: bool = True
     dynamic: bool = True
-    window_ratio: float = 0.2
+    static_window: float | int = 0.2
+    static_cluster: int = 1
     static_reduce: str = "sum"
     static_sinks: int = 16
     static_recent: int = 32
-    static_per_head: bool = False
+    static_scope: str = "layer"
     levels: tuple = ((32, 0.5), (16, None))
     similarity: str = "alpha"
     alpha: float = 0.6
@@ -74,10 +81,17 @@ class MPCache(PromptEvictionPolicy):
         if self.static_reduce not in ("sum", "max"):
             raise ValueError(f"static_reduce={self.static_reduce!r}; use 'sum' (accumulated "
                              "attention, as the paper) or 'max' (strongest single vote)")
+        if self.static_scope not in STATIC_SCOPES:
+            raise ValueError(f"static_scope={self.static_scope!r}; use one of {STATIC_SCOPES}: one "
+                             "kept set per layer (the paper), per KV head, or one for the whole model")
         if self.static_sinks < 0 or self.static_recent < 0:
             raise ValueError("static_sinks and static_recent must be >= 0")
-        if not 0.0 < self.window_ratio <= 1.0:
-            raise ValueError(f"window_ratio={self.window_ratio} must be in (0, 1]")
+        if not _is_ratio_or_count(self.static_window):
+            raise ValueError(f"static_window={self.static_window!r} must be a ratio in (0, 1] of "
+                             "the prompt or a count >= 1 of its last queries")
+        if not isinstance(self.static_cluster, int) or self.static_cluster < 1:
+            raise ValueError(f"static_cluster={self.static_cluster!r} must be a positive integer "
+                             "(1 = token-level static eviction)")
         if not self.levels:
             raise ValueError("levels must hold at least one (cluster_size, keep_ratio) pair")
         sizes = [lv[0] for lv in self.levels]
@@ -120,14 +134,25 @@ class MPCache(PromptEvictionPolicy):
 
     def kept_count(self, prompt_len: int) -> int:
         B = P.budget_tokens(self.budget, prompt_len)
-        if not self.dynamic:
-            return B
         if not self.static:
             return prompt_len
-        if self.static_keep is None:
-            auto = max(math.ceil(0.25 * prompt_len), 2 * B)
-            return min(prompt_len, auto)
-        return max(B, P.budget_tokens(self.static_keep, prompt_len))
+        if not self.dynamic:
+            target = B
+        elif self.static_keep is None:
+            target = min(prompt_len, max(math.ceil(0.25 * prompt_len), 2 * B))
+        else:
+            target = max(B, P.budget_tokens(self.static_keep, prompt_len))
+        if self.static_cluster == 1:
+            return target
+        # Whole clusters: the last (partial) cluster is always kept; static-only rounds down so
+        # decoding never exceeds the budget, otherwise round up to give selection room.
+        s, last = self.static_cluster, self._last_cluster_size(prompt_len)
+        full = max(0, target - last)
+        full = full // s if not self.dynamic else math.ceil(full / s)
+        return min(prompt_len, full * s + last)
+
+    def _last_cluster_size(self, prompt_len: int) -> int:
+        return prompt_len - (math.ceil(prompt_len / self.static_cluster) - 1) * self.static_cluster
 
     def region_capacity(self, prompt_len: int) -> int:
         kept = self.kept_count(prompt_len)
@@ -155,16 +180,41 @@ class MPCache(PromptEvictionPolicy):
         return counts
 
     def check_prompt(self, prompt_len: int) -> None:
+        if self.static and self.static_cluster > 1:
+            s = self.static_cluster
+            kept = self.kept_count(prompt_len)
+            forced = int(self._cluster_forced(prompt_len, kept).sum())
+            if kept < prompt_len and forced > math.ceil(kept / s):
+                raise ValueError(
+                    f"static eviction keeps {kept} tokens = {math.ceil(kept / s)} clusters of {s}, "
+                    f"fewer than the {forced} clusters holding the {self.static_sinks} sink and "
+                    f"{self.static_recent} recent tokens; raise the budget/static_keep or lower "
+                    "static_sinks/static_recent/static_cluster")
         if self.dynamic:
             self.level_counts(self.kept_count(prompt_len), P.budget_tokens(self.budget, prompt_len))
 
     # --- static eviction -------------------------------------------------------------------
+    def _vote(self, q, k, prompt_len):
+        """Attention mass [H_kv, T] the voting window gives each prompt token."""
+        window = min(prompt_len, P.budget_tokens(self.static_window, prompt_len))
+        return jnp.sum(window_attention_mass(q, k, window, self.static_reduce), axis=1)
+
+    def compress_carry(self, cache, aux):
+        if not self.static or self.static_scope != "model":
+            return None
+        T = aux.prompt_len
+        if aux.queries is None or self.kept_count(T) == T:
+            return None
+        return sum(jnp.sum(self._vote(q, layer.k[:, :T], T), axis=0)
+                   for q, layer in zip(aux.queries, cache))
+
     def keep_scores(self, layer, q, k, prompt_len, carry):
+        if self.static_scope == "model":
+            return carry, carry
         if self.share_static and not self.selects(layer) and carry is not None:
             return carry, carry
-        window = max(1, math.ceil(self.window_ratio * prompt_len))
-        mass = jnp.sum(window_attention_mass(q, k, window, self.static_reduce), axis=1)  # [H_kv, T]
-        scores = mass if self.static_per_head else jnp.sum(mass, axis=0)
+        mass = self._vote(q, k, prompt_len)
+        scores = mass if self.static_scope == "head" else jnp.sum(mass, axis=0)
         return scores, scores
 
     def forced_keep(self, prompt_len, count):
@@ -177,6 +227,31 @@ class MPCache(PromptEvictionPolicy):
         if recent:
             forced[prompt_len - recent:] = 1.0
         return forced
+
+    def _cluster_forced(self, prompt_len: int, count: int) -> np.ndarray:
+        """[C] 0/1: clusters holding a forced token, and always the last (partial) one."""
+        s = self.static_cluster
+        C = math.ceil(prompt_len / s)
+        forced = np.pad(self.forced_keep(prompt_len, count), (0, C * s - prompt_len))
+        forced = forced.reshape(C, s).max(axis=1)
+        forced[-1] = 1.0
+        return forced
+
+    def keep_mask(self, layer, q, k, prompt_len, count, forced, carry):
+        """Token-level top-k, or (static_cluster > 1) the top whole clusters by their strongest
+        token, expanded back to tokens with a public membership matmul."""
+        s = self.static_cluster
+        if s == 1:
+            return super().keep_mask(layer, q, k, prompt_len, count, forced, carry)
+        scores, carry = self.keep_scores(layer, q, k, prompt_len, carry)
+        C = math.ceil(prompt_len / s)
+        pad = [(0, 0)] * (scores.ndim - 1) + [(0, C * s - prompt_len)]
+        cluster_scores = jnp.max(jnp.pad(scores, pad).reshape(*scores.shape[:-1], C, s), axis=-1)
+        n_clusters = math.ceil(count / s)          # (n - 1) full clusters + the partial last one
+        chosen = P.topk_mask(cluster_scores, n_clusters, forced=self._cluster_forced(prompt_len, count),
+                             method=self.topk_method)
+        membership = (np.arange(prompt_len)[None, :] // s == np.arange(C)[:, None])
+        return chosen @ jnp.asarray(membership, chosen.dtype), carry
 
     def layer_extras(self, kept_k, valid):
         if not self.dynamic:
