@@ -9,8 +9,8 @@ from mpcache_jax.cache import LayerKV
 from mpcache_jax.policies import make_policy
 from mpcache_jax.policies.base import StreamingLLM
 from mpcache_jax.policies.h2o import H2O
-from mpcache_jax.policies.prefixkv import (PrefixKV, lorenz_curve, main as prefixkv_main,
-                                           search_retention)
+from mpcache_jax.policies.prefixkv import (MPCachePrefixKV, PrefixKV, lorenz_curve,
+                                           main as prefixkv_main, search_retention)
 from mpcache_jax.policies.pyramidkv import PyramidKV
 from mpcache_jax.policies.snapkv import SnapKV, max_pool_1d
 from mpcache_jax.policies.tova import TOVA
@@ -205,6 +205,23 @@ def test_prefixkv_applies_per_layer_counts_and_keeps_start_and_last_tokens():
     for layer, count in zip(cache, counts):
         assert layer.k.shape[1] == layer.kept == count
         assert {0, 1, 2, 3, T - 1} <= kept_positions(layer)
+
+
+def test_mpcache_prefixkv_uses_mpcache_forced_tokens_with_per_layer_counts():
+    """Same curves as above: layer 0 keeps fewer than MPCache's 16 sinks (so exactly its first
+    tokens), layer 1 keeps more than 16 + 32 forced tokens (sinks and recent all present)."""
+    rng = np.random.RandomState(9)
+    T, d = 200, 4
+    o = np.linspace(0, 1, 101)
+    policy = MPCachePrefixKV(budget=40, curves=(tuple(np.minimum(1.0, o / 0.1)), tuple(o)))
+    small, large = policy.layer_counts(2, T)
+    assert small < 16 and large > 48 and small + large <= 80
+    layers = tuple(dense_layer(rng.randn(1, T, d).astype(np.float32)) for _ in range(2))
+    queries = tuple(jnp.asarray(rng.randn(2, T, d), jnp.float32) for _ in range(2))
+    cache = policy.compress(layers, PrefillAux(queries, T), 4)
+    assert kept_positions(cache[0]) == set(range(small))
+    assert set(range(16)) | set(range(T - 32, T)) <= kept_positions(cache[1])
+    assert len(kept_positions(cache[1])) == large
 
 
 def test_prefixkv_calibration_cli_round_trip(tmp_path):
