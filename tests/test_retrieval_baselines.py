@@ -11,7 +11,7 @@ from mpcache_jax.cache import LayerKV
 from mpcache_jax.generate import compress_cache
 from mpcache_jax.policies import make_policy
 from mpcache_jax.policies.arkvale import ArkVale
-from mpcache_jax.policies.infllm import InfLLM, representative_mask
+from mpcache_jax.policies.infllm import InfLLM, attention_received, representative_mask
 from mpcache_jax.policies.longcache import LongCache
 from mpcache_jax.policies.pqcache import PQCache, pq_encode, pq_reconstruct
 from mpcache_jax.policies.quest import Quest
@@ -106,18 +106,26 @@ def test_longcache_ranks_by_cosine_not_dot_product():
 
 
 def test_infllm_representatives_are_most_attended_in_block():
-    # Every query is (1,0). Block 0: key 2 = (5,0), others 0. Within the block (causal):
-    # query 0 gives key 0 all its attention, query 1 splits 0.5/0.5 over keys 0,1, queries 2-3
-    # give ~0.99 to key 2 -> received ~ (1.51, 0.51, 1.97, 0.01): top-2 {0, 2}.
-    # Block 1: key 5 = (5,0) -> received ~ (1.01, 2.98, 0.01, 0.01): top-2 {4, 5}.
-    # Block 2 has 2 valid tokens (8, 9) and 2 padding slots: both valid tokens are chosen.
+    # Every query is (1,0), d = 2, so a key (5,0) has logit 5/sqrt(2) (weight E) and a zero key
+    # weight 1 in the causal softmax over ALL earlier keys. Block 0 = positions 0-3 with
+    # key 2 = (5,0): query 0 gives key 0 weight 1, query 1 gives keys 0,1 1/2 each, queries
+    # 2 and 3 give key 2 E/(2+E) and E/(3+E). Block 1 = positions 4-7 with key 5 = (5,0):
+    # query 4 gives key 4 only 1/(4+E) (key 2 outside the block takes most), queries 5-7 give
+    # key 5 E/(4+2E), E/(5+2E), E/(6+2E). Block 2 has 2 real tokens and 2 padding slots.
+    E = np.exp(5 / np.sqrt(2))
     k = np.zeros((1, 12, 2), np.float32)
     k[0, 2] = k[0, 5] = [5, 0]
-    k[0, 8:10] = [1, 1]
     q = np.tile(np.array([1, 0], np.float32), (1, 12, 1))
-    valid = np.array([1] * 10 + [0] * 2, np.float32)
-    reps = np.asarray(representative_mask(jnp.asarray(q), jnp.asarray(k), jnp.asarray(valid), 4, 2))
-    assert [np.flatnonzero(block).tolist() for block in reps[0]] == [[0, 2], [0, 1], [0, 1]]
+    valid = jnp.asarray([1] * 10 + [0] * 2, jnp.float32)
+    received = np.asarray(attention_received(jnp.asarray(q), jnp.asarray(k), 0, 4, valid))[0]
+    np.testing.assert_allclose(received[0, 2], E / (2 + E) + E / (3 + E), rtol=1e-5)
+    np.testing.assert_allclose(received[0, 0], 1 + 1 / 2 + 1 / (2 + E) + 1 / (3 + E), rtol=1e-5)
+    np.testing.assert_allclose(received[1, 0], sum(1 / (n + m * E) for n, m in
+                                                   ((4, 1), (4, 2), (5, 2), (6, 2))), rtol=1e-5)
+    np.testing.assert_allclose(received[1, 1], E * (1 / (4 + 2 * E) + 1 / (5 + 2 * E)
+                                                    + 1 / (6 + 2 * E)), rtol=1e-5)
+    reps = np.asarray(representative_mask(jnp.asarray(received[None]), 2, valid))[0]
+    assert [np.flatnonzero(block).tolist() for block in reps] == [[0, 2], [0, 1], [0, 1]]
 
 
 def test_infllm_block_score_uses_representatives():

@@ -45,7 +45,7 @@ class ArkVale(PageSelectionPolicy):
             raise ValueError(f"bound={self.bound!r}; use 'cuboid' (per-channel min/max) or "
                              "'mad' (centre +- mean absolute deviation)")
 
-    def digest(self, layer, k_mid, valid_mid, q, lay, new_capacity):
+    def digest(self, layer, k_mid, valid_mid, q, k_prompt, lay, new_capacity):
         bounds = P.cluster_bounds if self.bound == "cuboid" else P.cluster_mad_bounds
         hi, lo = bounds(k_mid, lay.page_size, valid_mid)
         Hkv = k_mid.shape[0]

@@ -26,7 +26,7 @@ class LongCache(PageSelectionPolicy):
                              f"{self.page_size} (for pages use 'quest' or 'arkvale')")
         super().__post_init__()
 
-    def digest(self, layer, k_mid, valid_mid, q, lay, new_capacity):
+    def digest(self, layer, k_mid, valid_mid, q, k_prompt, lay, new_capacity):
         return P.unit_rows(k_mid)                                       # [H_kv, T, d]
 
     def page_scores(self, qg, extras, lay):

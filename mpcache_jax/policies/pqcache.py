@@ -90,7 +90,7 @@ class PQCache(PageSelectionPolicy):
                              "(after the initial tokens); lower local_ratio or raise the budget")
         return lay
 
-    def digest(self, layer, k_mid, valid_mid, q, lay, new_capacity):
+    def digest(self, layer, k_mid, valid_mid, q, k_prompt, lay, new_capacity):
         centroids, codes = pq_encode(k_mid, self.subspaces, self.bits, self.kmeans_iters)
         new_codes = jnp.zeros(codes.shape[:2] + (new_capacity,), jnp.int32)
         return PQIndex(centroids, codes, new_codes)

@@ -70,9 +70,11 @@ class PageSelectionPolicy(PromptEvictionPolicy):
             self.layout(self.budget + 1)  # a token budget can be checked now
 
     # --- what subclasses say ---------------------------------------------------------------
-    def digest(self, layer: int, k_mid, valid_mid, q, lay: Layout, new_capacity: int) -> Any:
+    def digest(self, layer: int, k_mid, valid_mid, q, k_prompt, lay: Layout,
+               new_capacity: int) -> Any:
         """Per-page summary built once after prefill. k_mid: [H_kv, padded, d]; valid_mid:
-        [padded] 0/1; q: [H, T, d] prompt queries (None unless needs_queries)."""
+        [padded] 0/1; q: [H, T, d] prompt queries (None unless needs_queries); k_prompt:
+        [H_kv, T, d] every prompt key."""
         raise NotImplementedError
 
     def page_scores(self, qg, extras, lay: Layout) -> jax.Array:
@@ -133,7 +135,7 @@ class PageSelectionPolicy(PromptEvictionPolicy):
             if not lay.full:
                 q = aux.queries[index] if aux.queries is not None else None
                 k_mid = padded[0][:, i0:i0 + lay.padded]
-                extras = self.digest(index, k_mid, jnp.asarray(valid_mid), q, lay, new.capacity)
+                extras = self.digest(index, k_mid, jnp.asarray(valid_mid), q, k, lay, new.capacity)
             state_valid = jnp.broadcast_to(jnp.asarray(valid, k.dtype), padded[0].shape[:2])
             out.append(PrunedLayer(padded[0], padded[1], state_valid, new, extras,
                                    prompt_len=T, kept=T))
@@ -175,7 +177,7 @@ class Quest(PageSelectionPolicy):
     page_size: int = 16
     dense_layers: int = 2
 
-    def digest(self, layer, k_mid, valid_mid, q, lay, new_capacity):
+    def digest(self, layer, k_mid, valid_mid, q, k_prompt, lay, new_capacity):
         return P.cluster_bounds(k_mid, lay.page_size, valid_mid)
 
     def page_scores(self, qg, extras, lay):
