@@ -44,7 +44,8 @@ def attention_received(q: jax.Array, k: jax.Array, start: int, block_size: int,
         logits = jnp.einsum("kgid,ktd->kgit", qc, k) / np.sqrt(d)
         causal = jnp.arange(k.shape[1])[None, :] <= pos[:, None]
         top = jnp.max(jnp.where(causal, logits, attention.MAX_FILL), axis=-1, keepdims=True)
-        total = jnp.sum(jnp.exp(logits - top) * causal, axis=-1)
+        shifted = jnp.where(causal, logits - top, attention.MASK_LOGIT)  # no exp of big values
+        total = jnp.sum(jnp.exp(shifted) * causal, axis=-1)
         return top[..., 0] + jnp.log(total)
 
     lse = jax.lax.map(normaliser, (jnp.moveaxis(qb, 2, 0), jnp.asarray(positions)))
