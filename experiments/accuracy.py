@@ -77,15 +77,26 @@ def parse_numbers(flag: str, values: list[str], kind):
         raise ValueError(f"--{flag}={','.join(values)}: every entry must be a {what}") from None
 
 
-def make_samples(FLAGS, tokenizer, lengths: list[int], depths: list[float]):
+def parse_tasks(values: list[str]) -> list[str]:
+    chosen = [v.strip() for v in values if v.strip()]
+    unknown = [t for t in chosen if t not in tasks.TASKS]
+    if not chosen or unknown:
+        raise ValueError(f"--task: unknown task(s) {unknown or values}; choose from "
+                         f"{', '.join(tasks.TASKS)} (comma-separated for several)")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"--task lists a task twice: {values}")
+    return chosen
+
+
+def make_samples(FLAGS, task: str, tokenizer, lengths: list[int], depths: list[float]):
     common_args = dict(num_samples=FLAGS.num_samples, seed=FLAGS.seed)
-    if FLAGS.task == "passkey":
+    if task == "passkey":
         return list(tasks.passkey(tokenizer, lengths=lengths, depths=depths, **common_args))
-    if FLAGS.task == "needle":
+    if task == "needle":
         return list(tasks.needle(tokenizer, lengths=lengths, depths=depths, **common_args))
-    if FLAGS.task == "kv_retrieval":
+    if task == "kv_retrieval":
         return list(tasks.kv_retrieval(tokenizer, lengths=lengths, **common_args))
-    if FLAGS.task == "ppl":
+    if task == "ppl":
         return list(tasks.perplexity_chunks(tokenizer, data_path=FLAGS.data_path, lengths=lengths,
                                             target_len=FLAGS.ppl_target_len, **common_args))
     return list(tasks.longbench_jsonl(tokenizer, data_path=FLAGS.data_path,
@@ -143,26 +154,31 @@ def write_summary(results, path):
             writer.writerow([r["task"], r["policy"], r["budget"], f"{r['score']:.4f}", r["n"]])
 
 
-def plot_score_vs_budget(results, path, ylabel):
+def plot_score_vs_budget(results, path):
+    """One panel per task: score vs budget, one line per policy (full as a dashed level)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    by_policy = collections.defaultdict(list)
-    for r in results:
-        by_policy[r["policy"]].append((r["budget"], r["score"]))
-    for policy, points in sorted(by_policy.items()):
-        points.sort()
-        if policy == "full":
-            ax.axhline(points[0][1], color="black", linestyle="--", label="full")
-            continue
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
-    ax.set_xlabel("budget (prompt tokens attended, ratio or count)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(f"{results[0]['task']} ({results[0]['model']}, n={results[0]['n']})")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    task_names = sorted({r["task"] for r in results})
+    fig, axes = plt.subplots(1, len(task_names), figsize=(6.5 * len(task_names), 4.6), squeeze=False)
+    for ax, task in zip(axes.flat, task_names):
+        by_policy = collections.defaultdict(list)
+        for r in results:
+            if r["task"] == task:
+                by_policy[r["policy"]].append((r["budget"], r["score"], r["n"]))
+        for policy, points in sorted(by_policy.items()):
+            points.sort()
+            if policy == "full":
+                ax.axhline(points[0][1], color="black", linestyle="--", label="full")
+                continue
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+        n = max(p[2] for points in by_policy.values() for p in points)
+        ax.set_xlabel("budget (prompt tokens attended, ratio or count)")
+        ax.set_ylabel("perplexity (lower is better)" if task == "ppl" else "score")
+        ax.set_title(f"{task} ({results[0]['model']}, n={n})")
+        ax.legend(fontsize=7, ncol=2 if len(by_policy) > 8 else 1)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -201,6 +217,7 @@ def plot_needle_heatmaps(sample_records, path):
 
 
 def run(FLAGS) -> None:
+    task_names = parse_tasks(FLAGS.task)
     policies = build_policies(FLAGS)
     lengths = parse_numbers("lengths", FLAGS.lengths, int)
     depths = parse_numbers("depths", FLAGS.depths, float)
@@ -209,12 +226,13 @@ def run(FLAGS) -> None:
                       seed=FLAGS.seed, num_layers=FLAGS.num_layers), FLAGS)
     if loaded.tokenizer is None:
         raise SystemExit(f"model {FLAGS.model!r} has no tokenizer; accuracy runs need a real model")
-    samples = make_samples(FLAGS, loaded.tokenizer, lengths, depths)
+    samples = [sample for task in task_names
+               for sample in make_samples(FLAGS, task, loaded.tokenizer, lengths, depths)]
     out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
     samples_path = out / "samples.jsonl"
     samples_path.write_text("")
     all_records = []
-    bar = tqdm(samples, desc=f"{FLAGS.task}", unit="sample")
+    bar = tqdm(samples, desc=",".join(task_names), unit="sample")
     for sample in bar:
         records = evaluate_sample(loaded, sample, policies, FLAGS)
         common.write_jsonl(samples_path, records, append=True)
@@ -226,11 +244,11 @@ def run(FLAGS) -> None:
     results = aggregate(all_records, FLAGS)
     common.write_jsonl(out / "results.jsonl", results)
     write_summary(results, out / "summary.csv")
-    ylabel = "perplexity (lower is better)" if FLAGS.task == "ppl" else "score"
-    plot_score_vs_budget(results, out / "score_vs_budget.png", ylabel)
-    if FLAGS.task == "needle":
-        plot_needle_heatmaps(all_records, out / "needle_heatmap.png")
-    print(f"\n{'policy':<24}{'budget':>8}{'score':>10}{'n':>5}")
-    for r in sorted(results, key=lambda r: (r["policy"], r["budget"])):
-        print(f"{r['policy']:<24}{r['budget']:>8}{r['score']:>10.4f}{r['n']:>5}")
+    plot_score_vs_budget(results, out / "score_vs_budget.png")
+    if "needle" in task_names:
+        plot_needle_heatmaps([r for r in all_records if r["task"] == "needle"],
+                             out / "needle_heatmap.png")
+    print(f"\n{'task':<14}{'policy':<24}{'budget':>8}{'score':>10}{'n':>5}")
+    for r in sorted(results, key=lambda r: (r["task"], r["policy"], r["budget"])):
+        print(f"{r['task']:<14}{r['policy']:<24}{r['budget']:>8}{r['score']:>10.4f}{r['n']:>5}")
     print(f"wrote {out}/results.jsonl, samples.jsonl, summary.csv, score_vs_budget.png")

@@ -19,8 +19,9 @@ flags.DEFINE_integer("max_new_tokens", 64, "Maximum number of generated tokens."
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (with temperature > 0).")
 # Accuracy harness
-flags.DEFINE_enum("task", "passkey", ["passkey", "needle", "kv_retrieval", "ppl", "longbench_jsonl"],
-                  "Accuracy task.")
+flags.DEFINE_list("task", ["passkey"], "Accuracy task(s), comma-separated: passkey, needle, "
+                  "kv_retrieval, ppl, longbench_jsonl. Several tasks share one model load and "
+                  "one compilation per policy.")
 flags.DEFINE_list("policies", ["full", "mpcache"], "Registered policy names to evaluate.")
 flags.DEFINE_string("variants", None,
                     'JSON {"label": {"policy": NAME, option: value, ...}} of configured variants '

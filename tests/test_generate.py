@@ -80,6 +80,8 @@ def test_cli_rejects_unknown_model():
     ("--policies=full,oracle", "unknown policy 'oracle'"),
     ("--variants={bad json", "not valid JSON"),
     ("--lengths=1400,long", "--lengths=1400,long: every entry must be a whole number"),
+    ("--task=passkey,riddles", "unknown task(s) ['riddles']"),
+    ("--task=needle,needle", "lists a task twice"),
 ])
 def test_accuracy_cli_rejects_bad_flags_before_loading(flag, message):
     cmd = [sys.executable, "-m", "experiments.run", "--experiment=accuracy", "--model=llama-tiny",
