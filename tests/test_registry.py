@@ -31,11 +31,21 @@ NO_BUDGET = ("full", "no_cache")
 BUDGETED = tuple(n for n in POLICY_NAMES if n not in NO_BUDGET)
 
 
-@pytest.fixture(scope="module", params=["llama-tiny", "gpt2-tiny"])
-def tiny(request):
-    lm = registry.load(request.param)
+def _load(name):
+    lm = registry.load(name)
     tokens = np.random.RandomState(0).randint(0, lm.model.cfg.vocab_size, size=110)
     return lm.model, lm.params, tokens
+
+
+@pytest.fixture(scope="module",
+                params=["llama-tiny", pytest.param("gpt2-tiny", marks=pytest.mark.slow)])
+def tiny(request):
+    return _load(request.param)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _load("llama-tiny")
 
 
 def _decode_logits(model, params, tokens, policy, prompt_len=100, steps=4):
@@ -68,10 +78,8 @@ def test_full_budget_equals_full(tiny, full_logits, name):
 
 
 @pytest.mark.parametrize("name", BUDGETED)
-def test_compiles_once_with_eviction(tiny, name):
-    model, params, tokens = tiny
-    if model.cfg.name != "llama-tiny":
-        pytest.skip("one model is enough for the eviction-path compile check")
+def test_compiles_once_with_eviction(llama, name):
+    model, params, tokens = llama
     _decode_logits(model, params, tokens, make_policy(name, 0.5))
 
 
@@ -122,7 +130,7 @@ def test_probe_sees_every_token_under_full_attention():
             np.testing.assert_array_equal(seen[..., PROMPT:].sum(-1), step + 1)
 
 
-@pytest.mark.parametrize("budget", [0.25, 64])
+@pytest.mark.parametrize("budget", [0.25, pytest.param(64, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", BUDGETED)
 def test_attends_to_at_most_budget_prompt_tokens(name, budget):
     policy = make_policy(name, budget)
