@@ -21,6 +21,7 @@ import pytest
 from mpcache_jax.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_config,
                                      parse_node_config, run_loopback)
 from mpcache_jax.distributed import job as job_lib
+from mpcache_jax.distributed.compare import simulate_outputs
 from mpcache_jax.distributed.launch import prepare_config, start_parties, wait_parties
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -63,17 +64,11 @@ def reference(raw_job: dict):
 
 def spu_sim_reference(raw_job: dict, protocol: str, parties: int):
     """The same program under the in-process simulator (issue 5's spu_sim backend)."""
-    from mpcache_jax.mpc.backends import SECRET, make_backend
     from mpcache_jax.mpc.config import MPCConfig
-    job = JobSpec(**raw_job)
-    program = job_lib.build_program(job)
-    params = job_lib.load_weights(job)
-    prompt = job_lib.load_prompt(job, program.model.cfg.vocab_size)
-    backend = make_backend("spu_sim", MPCConfig(protocol=protocol, parties=parties), profile=False)
-    compiled = backend.compile(program, (params, prompt), (SECRET, SECRET))
-    out, _, _ = backend.run(compiled, *backend.share((params, prompt), SECRET))
-    tokens, logits = backend.reveal(out)
-    return np.asarray(tokens), np.asarray(logits)
+    (tokens, logits), _, _ = simulate_outputs(JobSpec(**raw_job),
+                                              MPCConfig(protocol=protocol, parties=parties),
+                                              profile=False)
+    return tokens, logits
 
 
 # ----- secure runs match the simulator and plaintext ---------------------------------------
