@@ -6,6 +6,8 @@ party.py   one party: brpc link (optional mutual TLS), program distribution, sha
            reveal to the prompt owner, per-party cost; PartyFailure names a failing peer
 costs.py   per-party profile -> the simulation benchmarks' JSONL record schema
 launch.py  loopback launcher: all parties as local processes (run_loopback), JobFailed
+supervise.py  the party's supervisor process (explains a worker the link layer ended)
+compare.py simulated (spu_sim) vs multi-process cost of the same job
 """
 from mpcache_jax.distributed.config import (JobSpec, LinkOptions, NodeConfig, NodeConfigError,
                                             TLSConfig, load_node_config, parse_node_config)
