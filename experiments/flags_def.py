@@ -39,8 +39,11 @@ flags.DEFINE_integer("ppl_target_len", 64, "Tokens scored after each ppl prefix.
 flags.DEFINE_enum("activation_impl", "exact", ["exact", "poly"],
                   "MLP activation: exact (jax.nn) or piecewise polynomial (MPC-friendly).")
 # Secure inference (mpc_cost)
-flags.DEFINE_enum("backend", "spu_sim", ["xla", "spu_sim"],
-                  "xla = plaintext; spu_sim = SPU protocols with in-process parties.")
+flags.DEFINE_enum("backend", "spu_sim", ["xla", "spu_sim", "spu_nodes"],
+                  "xla = plaintext; spu_sim = SPU protocols with in-process parties; spu_nodes = "
+                  "every party of --node_config as its own local process (loopback configs).")
+flags.DEFINE_string("node_config", None,
+                    "Node config JSON for --backend=spu_nodes (see experiments/nodes/*.json).")
 flags.DEFINE_string("protocol", None,
                     "MPC protocol(s), comma-separated: ABY3 (3PC), SEMI2K (2PC), CHEETAH (2PC). "
                     "Overrides the protocol of --runtime_config.")

@@ -20,7 +20,32 @@ def main(argv):
         sys.exit(2)
 
 
+def run_nodes():
+    """--backend=spu_nodes: the node config's job once per --policies x --seq_lens, with every
+    party as a local process; prints one line per run (records: DIR/results.jsonl)."""
+    from mpcache_jax.distributed import JobFailed, run_loopback
+    if not FLAGS.node_config:
+        raise ValueError("--backend=spu_nodes needs --node_config=FILE (see experiments/nodes/*.json)")
+    job = {}
+    for name in ("model", "num_layers"):
+        if FLAGS[name].present:
+            job[name] = getattr(FLAGS, name)
+    seq_lens = [int(t) for t in FLAGS.seq_lens] if FLAGS["seq_lens"].present else [None]
+    try:
+        for policy in FLAGS.policies:
+            for seq_len in seq_lens:
+                extra = {"seq_len": seq_len} if seq_len is not None else {}
+                for r in run_loopback(FLAGS.node_config, FLAGS.output_dir, policy=policy, **job, **extra):
+                    print(f"{policy} seq_len={r.get('seq_len')}: tokens={r.get('tokens')} "
+                          f"comm_bytes={r.get('comm_bytes')} wall_s={r.get('wall_s')}")
+    except JobFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
+
+
 def dispatch():
+    if FLAGS.backend == "spu_nodes":
+        return run_nodes()
     if FLAGS.experiment == "generate":
         from experiments import generate
         return generate.run(FLAGS)

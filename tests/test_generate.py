@@ -82,6 +82,7 @@ def test_cli_rejects_unknown_model():
     ("--lengths=1400,long", "--lengths=1400,long: every entry must be a whole number"),
     ("--task=passkey,riddles", "unknown task(s) ['riddles']"),
     ("--task=needle,needle", "lists a task twice"),
+    ("--backend=spu_nodes", "needs --node_config=FILE"),
 ])
 def test_accuracy_cli_rejects_bad_flags_before_loading(flag, message):
     cmd = [sys.executable, "-m", "experiments.run", "--experiment=accuracy", "--model=llama-tiny",
