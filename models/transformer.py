@@ -32,6 +32,27 @@ from models.config import ModelConfig
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
+# RMSNorm under fixed point (SPU, FM64 with 18 fraction bits): x * x overflows the ring once
+# |x| > ~2^13.5 and SPU's rsqrt returns ~0 for inputs >= ~2^17. SmolLM2's attention-sink row
+# reaches |x| ~ 2.5e4 (mean square ~1.1e6) from layer 12 on, which zeroed its normalised row
+# and corrupted every later layer. Rows with a large mean square are therefore normalised from
+# x * 2^-NORM_SHIFT (RMSNorm is scale invariant); small rows keep full precision.
+NORM_SHIFT = 8
+NORM_LARGE_MEAN_SQUARE = 2.0 ** 15
+
+
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """x: [..., D] -> 1 / sqrt(mean(x^2) + eps) [..., 1], in a form that stays in range in
+    fixed point: both branches are computed and the row's magnitude selects one (a secret
+    comparison, no data-dependent control flow)."""
+    shift = 2.0 ** -NORM_SHIFT
+    mean_square = jnp.mean(x * x, axis=-1, keepdims=True)                  # small rows only
+    shifted_mean_square = jnp.mean((x * shift) * x, axis=-1, keepdims=True)  # never overflows
+    large = shifted_mean_square > shift * NORM_LARGE_MEAN_SQUARE
+    return jnp.where(large, jax.lax.rsqrt(shifted_mean_square + shift * eps) * shift ** 0.5,
+                     jax.lax.rsqrt(mean_square + eps))
+
+
 class RMSNorm(nn.Module):
     eps: float
 
@@ -39,7 +60,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
         x32 = x.astype(jnp.float32)
-        return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps) * scale
+        return x32 * rms_scale(x32, self.eps) * scale
 
 
 class LayerNorm(nn.Module):

@@ -11,7 +11,7 @@ from mpcache_jax import mpc
 from mpcache_jax.generate import apply_policy
 from mpcache_jax.policies import make_policy
 from models import registry
-from models.transformer import activation_fn
+from models.transformer import RMSNorm, activation_fn
 
 # Secure logits vs plaintext logits (FM64, 18 fraction bits: resolution 4e-6; exp, reciprocal
 # and rsqrt are iterative fixed-point approximations): max |delta logit| allowed.
@@ -231,3 +231,34 @@ def test_reveal_check_catches_a_mid_program_reveal():
     x, w = np.ones(4, np.float32), np.ones((4, 8), np.float32)
     assert mpc.secret_reveals(backend.compile(leaky, (x, w), mpc.SECRET).ir)
     assert mpc.secret_reveals(backend.compile(honest, (x, w), mpc.SECRET).ir) == []
+
+
+def _spu_apply(fn, *args, config=None):
+    backend = mpc.make_backend("spu_sim", config or mpc.MPCConfig(protocol="ABY3"), profile=False)
+    program = backend.compile(fn, args, tuple(mpc.SECRET for _ in args))
+    out, _, _ = backend.run(program, *(backend.share(a, mpc.SECRET) for a in args))
+    return np.asarray(backend.reveal(out))
+
+
+def test_rmsnorm_of_an_attention_sink_row_stays_in_fixed_point_range():
+    # SmolLM2-135M's attention-sink row carries ~2.5e4 in one dimension (mean square ~1.1e6):
+    # under FM64 / 18 fraction bits, x * x overflows and rsqrt(1.1e6) returns 0. Normalised,
+    # that dimension is 25000 / sqrt(25000^2 / 576) = sqrt(576) = 24 (the rest is ~0).
+    D = 576
+    sink = np.zeros(D, np.float32)
+    sink[507] = 25000.0
+    typical = np.linspace(-3.0, 3.0, D, dtype=np.float32)  # mean square ~3: full precision
+    small = np.full(D, 0.05, np.float32)                    # embedding-sized row -> all ones
+    x = np.stack([sink, typical, small])
+    norm = RMSNorm(eps=1e-5)
+    params = {"params": {"scale": np.ones(D, np.float32)}}
+
+    secure = _spu_apply(lambda p, x: norm.apply(p, x), params, x)
+    assert secure[0, 507] == pytest.approx(24.0, rel=1e-2)
+    assert np.max(np.abs(np.delete(secure[0], 507))) < 1e-2
+    np.testing.assert_allclose(secure[1], typical / np.sqrt(np.mean(typical ** 2)), atol=1e-2)
+    np.testing.assert_allclose(secure[2], np.ones(D), atol=1e-2)
+
+    # The textbook formula collapses the sink row under the same runtime config.
+    naive = _spu_apply(lambda x: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5), x)
+    assert abs(naive[0, 507] - 24.0) > 1.0
