@@ -167,12 +167,17 @@ def plot_score_vs_budget(results, path):
         for r in results:
             if r["task"] == task:
                 by_policy[r["policy"]].append((r["budget"], r["score"], r["n"]))
-        for policy, points in sorted(by_policy.items()):
+        colors = plt.get_cmap("tab20").colors
+        markers = "osD^vP*X<>"
+        for i, (policy, points) in enumerate(sorted(by_policy.items())):
             points.sort()
             if policy == "full":
                 ax.axhline(points[0][1], color="black", linestyle="--", label="full")
                 continue
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+            # Distinct colour + marker per policy, slightly jittered so equal scores stay visible.
+            jitter = 0.004 * (i - len(by_policy) / 2) if len(by_policy) > 8 else 0.0
+            ax.plot([p[0] for p in points], [p[1] + jitter for p in points],
+                    marker=markers[i % len(markers)], color=colors[i % len(colors)], label=policy)
         n = max(p[2] for points in by_policy.values() for p in points)
         ax.set_xlabel("budget (prompt tokens attended, ratio or count)")
         ax.set_ylabel("perplexity (lower is better)" if task == "ppl" else "score")
