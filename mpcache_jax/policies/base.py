@@ -136,8 +136,13 @@ class PromptEvictionPolicy(AttentionPolicy):
     def kept_count(self, prompt_len: int) -> int:
         return P.budget_tokens(self.budget, prompt_len)
 
-    def region_capacity(self, prompt_len: int) -> int:
-        return self.kept_count(prompt_len)
+    def kept_counts(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
+        """Prompt tokens kept by each layer (the same count everywhere unless overridden)."""
+        return (self.kept_count(prompt_len),) * num_layers
+
+    def region_capacity(self, prompt_len: int, count: int) -> int:
+        """Slots of a layer's kept-token region holding `count` tokens (>= count)."""
+        return count
 
     def check_prompt(self, prompt_len: int) -> None:
         """Raise a clear error when this configuration cannot serve a prompt of this length."""
@@ -148,19 +153,17 @@ class PromptEvictionPolicy(AttentionPolicy):
         if self.needs_queries and aux.queries is None:
             raise ValueError(f"policy {self.name!r} scores tokens with the prompt queries: call "
                              "prefill(..., return_queries=True)")
-        count = self.kept_count(T)
-        capacity = self.region_capacity(T)
-        forced = self.forced_keep(T, count)
         carry = self.compress_carry(cache, aux)
         out = []
-        for index, layer in enumerate(cache):
+        for index, (layer, count) in enumerate(zip(cache, self.kept_counts(len(cache), T))):
             k, v = prompt_kv(layer, T)
-            q = aux.queries[index] if aux.queries is not None else None
             if count == T:
                 keep = jnp.ones((T,), k.dtype)
             else:
-                keep, carry = self.keep_mask(index, q, k, T, count, forced, carry)
-            kept_k, kept_v, valid = keep_by_mask(k, v, keep, count, capacity)
+                q = aux.queries[index] if aux.queries is not None else None
+                keep, carry = self.keep_mask(index, q, k, T, count, self.forced_keep(T, count),
+                                             carry)
+            kept_k, kept_v, valid = keep_by_mask(k, v, keep, count, self.region_capacity(T, count))
             out.append(PrunedLayer(kept_k, kept_v, valid, new_region(layer, max_new_tokens),
                                    self.layer_extras(kept_k, valid), prompt_len=T, kept=count))
         return tuple(out)
@@ -349,27 +352,11 @@ class LayerBudgetPolicy(PromptEvictionPolicy):
     def layer_counts(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def compress(self, cache, aux: PrefillAux, max_new_tokens: int):
-        T = aux.prompt_len
-        self.check_prompt(T)
-        if self.needs_queries and aux.queries is None:
-            raise ValueError(f"policy {self.name!r} scores tokens with the prompt queries: call "
-                             "prefill(..., return_queries=True)")
-        counts = self.layer_counts(len(cache), T)
-        carry = self.compress_carry(cache, aux)
-        out = []
-        for index, (layer, count) in enumerate(zip(cache, counts)):
-            k, v = prompt_kv(layer, T)
-            if count == T:
-                keep = jnp.ones((T,), k.dtype)
-            else:
-                q = aux.queries[index] if aux.queries is not None else None
-                keep, carry = self.keep_mask(index, q, k, T, count, self.forced_keep(T, count),
-                                             carry)
-            kept_k, kept_v, valid = keep_by_mask(k, v, keep, count, count)
-            out.append(PrunedLayer(kept_k, kept_v, valid, new_region(layer, max_new_tokens),
-                                   self.layer_extras(kept_k, valid), prompt_len=T, kept=count))
-        return tuple(out)
+    def kept_counts(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
+        return self.layer_counts(num_layers, prompt_len)
+
+    def region_capacity(self, prompt_len: int, count: int) -> int:
+        return count
 
 
 def causal_attention_mass(q: jax.Array, k: jax.Array, chunk: int = 128) -> jax.Array:

@@ -154,11 +154,10 @@ class MPCache(PromptEvictionPolicy):
     def _last_cluster_size(self, prompt_len: int) -> int:
         return prompt_len - (math.ceil(prompt_len / self.static_cluster) - 1) * self.static_cluster
 
-    def region_capacity(self, prompt_len: int) -> int:
-        kept = self.kept_count(prompt_len)
+    def region_capacity(self, prompt_len: int, count: int) -> int:
         if not self.dynamic:
-            return kept
-        return math.ceil(kept / self.sizes[0]) * self.sizes[0]
+            return count
+        return math.ceil(count / self.sizes[0]) * self.sizes[0]
 
     def level_counts(self, kept: int, budget: int) -> list[int]:
         """Clusters selected at each level for `kept` prompt tokens and a `budget` in tokens."""
