@@ -9,6 +9,7 @@ from mpcache_jax.generate import compress_cache
 from mpcache_jax.policies import POLICY_NAMES, MPCache, make_policy
 from mpcache_jax.policies.base import PrunedLayer
 from models import registry
+from tests.decode_helpers import teacher_forced_logits
 
 SMALL_LEVELS = {"levels": ((8, 0.5), (4, None))}
 
@@ -20,16 +21,7 @@ def tiny():
     return lm.model, lm.params, tokens
 
 
-def _run(model, params, tokens, policy, prompt_len, steps):
-    cache = model.init_cache(prompt_len + steps)
-    _, cache, aux = model.prefill(params, tokens[:prompt_len], cache,
-                                  return_queries=policy.needs_queries)
-    cache = compress_cache(policy, cache, aux, steps)
-    out = []
-    for t in range(prompt_len, prompt_len + steps):
-        logits, cache = model.decode_step(params, tokens[t], t, cache, policy)
-        out.append(np.asarray(logits))
-    return np.stack(out), cache
+_run = teacher_forced_logits
 
 
 @pytest.mark.parametrize("similarity", ["alpha", "mp", "avg"])

@@ -9,7 +9,7 @@ The probe: a synthetic dense cache whose value vectors are one-hot tags (token j
 e_j, head_dim >= prompt + new tokens), compressed by the policy itself and decoded through its
 own `attend`. The attention output of a head is then sum_j p_j e_j, so its nonzero entries are
 exactly the tokens that head attended to with nonzero weight, whatever the policy gathers,
-clusters or masks internally. A policy with per-layer budgets (a `layer_counts` method) is
+clusters or masks internally. A policy with per-layer budgets (a LayerBudgetPolicy) is
 held to its own per-layer counts, whose mean must not exceed the budget.
 """
 import functools
@@ -23,9 +23,10 @@ from mpcache_jax import primitives as P
 from mpcache_jax.cache import LayerKV
 from mpcache_jax.generate import compress_cache
 from mpcache_jax.policies import POLICY_NAMES, make_policy
+from mpcache_jax.policies.base import LayerBudgetPolicy
 from mpcache_jax.policy import PrefillAux
-from models import model as model_module
 from models import registry
+from tests.decode_helpers import teacher_forced_logits
 
 NO_BUDGET = ("full", "no_cache")
 BUDGETED = tuple(n for n in POLICY_NAMES if n not in NO_BUDGET)
@@ -50,18 +51,8 @@ def llama():
 
 def _decode_logits(model, params, tokens, policy, prompt_len=100, steps=4):
     """Logits of `steps` teacher-forced decode steps; asserts the jitted step is reused."""
-    cache = model.init_cache(prompt_len + steps)
-    _, cache, aux = model.prefill(params, tokens[:prompt_len], cache,
-                                  return_queries=policy.needs_queries)
-    cache = compress_cache(policy, cache, aux, steps)
-    out = []
-    for t in range(prompt_len, prompt_len + steps):
-        logits, cache = model.decode_step(params, tokens[t], t, cache, policy)
-        out.append(np.asarray(logits))
-        if t == prompt_len:
-            compiled = model_module._decode._cache_size()
-    assert model_module._decode._cache_size() == compiled, f"{policy.name} recompiled"
-    return np.stack(out)
+    return teacher_forced_logits(model, params, tokens, policy, prompt_len, steps,
+                                 check_one_compile=True)[0]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +127,7 @@ def test_attends_to_at_most_budget_prompt_tokens(name, budget):
     policy = make_policy(name, budget)
     limit = P.budget_tokens(budget, PROMPT)
     per_layer = np.full(LAYERS, limit)
-    if hasattr(policy, "layer_counts"):
+    if isinstance(policy, LayerBudgetPolicy):
         per_layer = np.asarray(policy.layer_counts(LAYERS, PROMPT))
         assert per_layer.mean() <= limit
     for step, seen in enumerate(_attended(policy)):

@@ -8,7 +8,6 @@ import pytest
 from mpcache_jax import attention
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import LayerKV
-from mpcache_jax.generate import compress_cache
 from mpcache_jax.policies import make_policy
 from mpcache_jax.policies.arkvale import ArkVale
 from mpcache_jax.policies.infllm import InfLLM, attention_received, representative_mask
@@ -17,6 +16,7 @@ from mpcache_jax.policies.pqcache import PQCache, pq_encode, pq_reconstruct
 from mpcache_jax.policies.quest import Quest
 from mpcache_jax.policy import PrefillAux
 from models import registry
+from tests.decode_helpers import teacher_forced_logits
 
 NAMES = ("longcache", "quest", "infllm", "arkvale", "arkvale_mad", "pqcache")
 # Sizes that leave room for a choice at a 40-token budget on a 120-token prompt.
@@ -36,16 +36,7 @@ def full_logits(tiny):
     return _run(*tiny, make_policy("full"), 120, 4)[0]
 
 
-def _run(model, params, tokens, policy, prompt_len, steps):
-    cache = model.init_cache(prompt_len + steps)
-    _, cache, aux = model.prefill(params, tokens[:prompt_len], cache,
-                                  return_queries=policy.needs_queries)
-    cache = compress_cache(policy, cache, aux, steps)
-    out = []
-    for t in range(prompt_len, prompt_len + steps):
-        logits, cache = model.decode_step(params, tokens[t], t, cache, policy)
-        out.append(np.asarray(logits))
-    return np.stack(out), cache
+_run = teacher_forced_logits
 
 
 def _hand_state(policy, keys, queries=None, steps=4):
