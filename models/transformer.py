@@ -242,26 +242,24 @@ class DecoderLM(nn.Module):
             x = x + self.pos_embed(positions)
         return x
 
-    def __call__(self, tokens):
-        """Whole-sequence forward without a cache. tokens: [T] (or one-hot [T, V]) -> logits [T, V]."""
+    def _residual_stream(self, tokens):
+        """Every decoder layer over the whole sequence, no cache -> residual stream [T, D]."""
         positions = jnp.arange(tokens.shape[0])
         x = self._embed(tokens, positions)
         for block in self.layers:
             q, k, v = block.qkv(x, positions)
             out, _ = attention.causal_attention(q, k, v)
             x = block.finish(x, out)
-        return self.lm_head(self.final_norm(x))
+        return x
+
+    def __call__(self, tokens):
+        """Whole-sequence forward without a cache. tokens: [T] (or one-hot [T, V]) -> logits [T, V]."""
+        return self.lm_head(self.final_norm(self._residual_stream(tokens)))
 
     def forward_hidden(self, tokens):
         """Whole-sequence forward through the decoder layers without a cache -> residual stream
         of the last position [1, D] (the no-KV-cache decode step of cost runs)."""
-        positions = jnp.arange(tokens.shape[0])
-        x = self._embed(tokens, positions)
-        for block in self.layers:
-            q, k, v = block.qkv(x, positions)
-            out, _ = attention.causal_attention(q, k, v)
-            x = block.finish(x, out)
-        return x[-1:]
+        return self._residual_stream(tokens)[-1:]
 
     def prefill(self, tokens, cache, return_queries: bool, all_logits: bool):
         """tokens: [T] (or one-hot [T, V]); cache: per-layer LayerKV of capacity >= T (empty).
