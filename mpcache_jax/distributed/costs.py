@@ -9,34 +9,15 @@ party's sent bytes. Every other cost field comes from issue 5's `cost_fields` ap
 from __future__ import annotations
 
 import pathlib
-import time
 
-from mpcache_jax.mpc.costs import cost_fields, parse_profile_log
-
-
-def read_run_profile(log_path: pathlib.Path, offset: int, timeout_s: float = 10.0):
-    """The last SPU run profiled in `log_path` after byte `offset` (waits for the log writer)."""
-    deadline = time.time() + timeout_s
-    while True:
-        text = ""
-        if log_path.exists():
-            with open(log_path, "rb") as f:
-                f.seek(offset)
-                text = f.read().decode("utf-8", "replace")
-        runs = parse_profile_log(text)
-        if runs and "Link details" in text.split("[Profiling] SPU execution")[-1]:
-            return runs[-1]
-        if time.time() > deadline:
-            raise RuntimeError(f"no SPU profile of the secure run in {log_path}: was "
-                               "enable_pphlo_profile switched off?")
-        time.sleep(0.05)
+from mpcache_jax.mpc.costs import cost_fields, read_last_profile
 
 
 def party_cost(log_path: pathlib.Path, offset: int, party: str, rank: int, wall_s: float,
                world: int, setup_s: dict[str, float]) -> dict:
     """This party's cost of the secure run from its own profile (JSON-able): its own link
     totals plus `fields`, the simulator's cost fields computed from this party's view."""
-    run = read_run_profile(log_path, offset)
+    run = read_last_profile(log_path, offset)
     return {"party": party, "rank": rank, "wall_s": round(wall_s, 4),
             "compute_s": round(run.exec_s, 4), "send_bytes": run.send_bytes,
             "recv_bytes": run.recv_bytes, "send_actions": run.send_actions,

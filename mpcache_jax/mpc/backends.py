@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from mpcache_jax.mpc.config import MPCConfig
-from mpcache_jax.mpc.costs import RunCost, parse_profile_log
+from mpcache_jax.mpc.costs import RunCost, read_last_profile
 
 SECRET = "secret"
 PUBLIC = "public"
@@ -315,19 +315,8 @@ class SpuSimBackend:
         path = self._log_path
         return os.path.getsize(path) if path and os.path.exists(path) else 0
 
-    def _read_cost(self, offset: int, timeout: float = 5.0) -> RunCost:
-        # spdlog writes from the runtime's thread; wait until the closing link line is there.
-        deadline = time.time() + timeout
-        while True:
-            with open(self._log_path, "rb") as f:
-                f.seek(offset)
-                text = f.read().decode("utf-8", "replace")
-            runs = parse_profile_log(text)
-            if runs and "Link details" in text.split("[Profiling] SPU execution")[-1]:
-                return runs[-1]
-            if time.time() > deadline:
-                raise RuntimeError(f"no SPU profile found in {self._log_path} after a run")
-            time.sleep(0.05)
+    def _read_cost(self, offset: int) -> RunCost:
+        return read_last_profile(self._log_path, offset, timeout_s=5.0)
 
 
 def output_visibility(ir: str) -> list[str]:

@@ -14,7 +14,9 @@ sends to its neighbours once per round in ABY3 / SEMI2K).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import time
 
 _OP_LINE = re.compile(
     r"- (?P<op>.+?), executed (?P<count>\d+) times, duration (?P<dur>[0-9.eE+-]+)s, "
@@ -70,6 +72,26 @@ class RunCost:
                        self.send_bytes + other.send_bytes, self.recv_bytes + other.recv_bytes,
                        self.send_actions + other.send_actions,
                        self.recv_actions + other.recv_actions)
+
+
+def read_last_profile(log_path: str | os.PathLike, offset: int = 0, timeout_s: float = 10.0
+                      ) -> RunCost:
+    """The last SPU run profiled in `log_path` after byte `offset`. spdlog writes from the
+    runtime's thread, so wait (up to `timeout_s`) until the run's closing link line is there."""
+    deadline = time.time() + timeout_s
+    while True:
+        text = ""
+        if os.path.exists(log_path):
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode("utf-8", "replace")
+        runs = parse_profile_log(text)
+        if runs and "Link details" in text.split("[Profiling] SPU execution")[-1]:
+            return runs[-1]
+        if time.time() > deadline:
+            raise RuntimeError(f"no SPU profile of the run in {log_path} (after byte {offset}): "
+                               "was enable_pphlo_profile switched off?")
+        time.sleep(0.05)
 
 
 def parse_profile_log(text: str) -> list[RunCost]:
