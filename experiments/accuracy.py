@@ -12,6 +12,7 @@ import json
 import math
 import time
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -134,6 +135,19 @@ def evaluate_sample(loaded, sample, policies, FLAGS):
     return records
 
 
+def policy_chunks(policies, size: int):
+    """`policies` in consecutive groups of `size` programs (0: one group).
+
+    Each group prefills every sample again and frees its compiled programs afterwards, so
+    peak memory follows the group size instead of the number of policies x budgets.
+    """
+    if size < 0:
+        raise SystemExit(f"--policy_chunk must be >= 0, got {size}")
+    if size == 0:
+        return [policies]
+    return [policies[i:i + size] for i in range(0, len(policies), size)]
+
+
 def aggregate(sample_records, FLAGS):
     groups = collections.defaultdict(list)
     for r in sample_records:
@@ -237,15 +251,21 @@ def run(FLAGS) -> None:
     samples_path = out / "samples.jsonl"
     samples_path.write_text("")
     all_records = []
-    bar = tqdm(samples, desc=",".join(task_names), unit="sample")
-    for sample in bar:
-        records = evaluate_sample(loaded, sample, policies, FLAGS)
-        common.write_jsonl(samples_path, records, append=True)
-        all_records.extend(records)
-        means = collections.defaultdict(list)
-        for r in all_records:
-            means[f"{r['policy']}@{r['budget']}"].append(r["score"])
-        bar.set_postfix({k: f"{np.mean(v):.2f}" for k, v in list(means.items())[:4]})
+    chunks = policy_chunks(policies, FLAGS.policy_chunk)
+    bar = tqdm(total=len(samples) * len(chunks), desc=",".join(task_names), unit="sample")
+    for chunk in chunks:
+        for sample in samples:
+            records = evaluate_sample(loaded, sample, chunk, FLAGS)
+            common.write_jsonl(samples_path, records, append=True)
+            all_records.extend(records)
+            means = collections.defaultdict(list)
+            for r in records:
+                means[f"{r['policy']}@{r['budget']}"].append(r["score"])
+            bar.update()
+            bar.set_postfix({k: f"{np.mean(v):.2f}" for k, v in list(means.items())[:4]})
+        if len(chunks) > 1:
+            jax.clear_caches()  # drop this chunk's compiled programs before the next one
+    bar.close()
     results = aggregate(all_records, FLAGS)
     common.write_jsonl(out / "results.jsonl", results)
     write_summary(results, out / "summary.csv")
