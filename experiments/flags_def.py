@@ -61,6 +61,10 @@ flags.DEFINE_enum("topk_method", "auto", ["auto", "lax", "rank"],
                   "Top-k for policies that have one; auto = the cheaper one per protocol.")
 flags.DEFINE_integer("mpc_share_from", None,
                      "Override MPCache's share_from (0 shows cross-layer sharing in 2-layer runs).")
+flags.DEFINE_enum("softmax", "reciprocal", ["reciprocal", "divide"],
+                  "Decode attention's softmax normalisation for every costed policy: reciprocal "
+                  "(one 1/sum per row, multiplied in) or divide (element-wise, jax.nn.softmax's "
+                  "form and the paper's SPU setting).")
 flags.DEFINE_integer("no_cache_max_len", 512, "Longest cache length costed for no_cache.")
 flags.DEFINE_integer("gather_tokens", 1024, "Table 2: tokens T.")
 flags.DEFINE_integer("gather_clusters", 64, "Table 2: clusters C.")

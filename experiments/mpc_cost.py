@@ -65,10 +65,10 @@ def build_policy(FLAGS, name: str, protocol: str, prompt_len: int):
     """The registered policy with the benchmark's budget and per-protocol top-k method."""
     budget = float(FLAGS.budgets[0]) if "." in FLAGS.budgets[0] else int(FLAGS.budgets[0])
     if name == ORACLE:
-        return make_policy("streaming_llm", budget=budget), budget
+        return make_policy("streaming_llm", budget=budget, softmax=FLAGS.softmax), budget
     policy = make_policy(name, budget=budget)
     fields = {f.name for f in dataclasses.fields(policy)}
-    changes = {}
+    changes = {"softmax": FLAGS.softmax}
     if "share_from" in fields and FLAGS.mpc_share_from is not None:
         changes["share_from"] = FLAGS.mpc_share_from
     if "topk_method" in fields:
@@ -78,7 +78,7 @@ def build_policy(FLAGS, name: str, protocol: str, prompt_len: int):
         if hasattr(policy, "sizes") and hasattr(policy, "kept_count"):
             candidates = -(-policy.kept_count(prompt_len) // policy.sizes[-1])
         changes["topk_method"] = topk_method_for(FLAGS, protocol, candidates)
-    return (dataclasses.replace(policy, **changes) if changes else policy), budget
+    return dataclasses.replace(policy, **changes), budget
 
 
 def _record(FLAGS, bench, protocol, cfg, model_name, num_layers, policy_name, seq_len, cost,
@@ -154,7 +154,8 @@ def bench_decode(FLAGS, out_path):
                 label = name
                 extra = {"scope": "decoder_layers", "budget": budget,
                          "topk_method": getattr(policy, "topk_method", None),
-                         "share_from": getattr(policy, "share_from", None)}
+                         "share_from": getattr(policy, "share_from", None),
+                         "softmax": policy.softmax}
                 if policy.recomputes:
                     if T > FLAGS.no_cache_max_len:
                         print(f"  skip no_cache at {T} > --no_cache_max_len={FLAGS.no_cache_max_len}")

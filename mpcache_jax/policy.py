@@ -44,6 +44,13 @@ class AttentionPolicy:
     needs_queries: bool = dataclasses.field(default=False, repr=False)
     # True only for `no_cache`: decode by recomputing the whole sequence (cost comparisons).
     recomputes: bool = dataclasses.field(default=False, repr=False)
+    # Softmax normalisation of decode-step attention (attention.SOFTMAX_NORMALIZE); only the
+    # MPC cost changes ("divide" is jax.nn.softmax's form, for cost comparisons).
+    softmax: str = "reciprocal"
+
+    def __post_init__(self):
+        if self.softmax not in attention.SOFTMAX_NORMALIZE:
+            raise ValueError(f"softmax={self.softmax!r}; use one of {attention.SOFTMAX_NORMALIZE}")
 
     def compress(self, cache: KVCache, aux: PrefillAux, max_new_tokens: int) -> KVCache:
         """Turn the dense prefill cache into this policy's decode cache."""
@@ -68,7 +75,8 @@ class AttentionPolicy:
                state: LayerKV, carry: Any) -> tuple[jax.Array, Any, Any]:
         """q: [H, d]; k_new, v_new: [H_kv, d]. Returns (out [H, d], new state, carry)."""
         state = append_token(state, k_new, v_new)
-        return attention.decode_attention(q, state.k, state.v, state.valid()), state, carry
+        return (attention.decode_attention(q, state.k, state.v, state.valid(), self.softmax),
+                state, carry)
 
 
 FULL = AttentionPolicy()

@@ -30,7 +30,7 @@ def _adjust(scores, valid, forced):
 
 
 def topk_mask(scores: jax.Array, k: int, *, valid: jax.Array | None = None,
-              forced: jax.Array | None = None, method: str = "lax") -> jax.Array:
+              forced: jax.Array | None = None, method: str = "lax", dtype=None) -> jax.Array:
     """0/1 mask with exactly k ones per row marking the k largest scores.
 
     scores: [..., N]; valid, forced: 0/1 broadcastable to scores (forced entries are taken
@@ -38,26 +38,29 @@ def topk_mask(scores: jax.Array, k: int, *, valid: jax.Array | None = None,
     method="lax": `lax.top_k` + one-hot of the returned indices.
     method="rank": constant depth; rank_i = #{j<i: s_j >= s_i} + #{j>i: s_j > s_i} from one
     batch of N^2 pairwise comparisons (all rows at once, no sorting network); keep rank < k.
-    Returns float [..., N].
+    The ranks are counted in integers: under MPC, adding up comparison bits needs no
+    fixed-point truncation.
+    Returns [..., N] of `dtype` (default: the scores' dtype).
     """
     N = scores.shape[-1]
     if not 0 < k <= N:
         raise ValueError(f"top-k needs 0 < k <= {N}, got k={k}")
     if method not in TOPK_METHODS:
         raise ValueError(f"unknown top-k method {method!r}; use one of {TOPK_METHODS}")
+    dtype = scores.dtype if dtype is None else dtype
     s = _adjust(scores, valid, forced)
     if k == N:
-        return jnp.ones_like(s)
+        return jnp.ones(s.shape, dtype)
     if method == "lax":
         _, idx = jax.lax.top_k(s, k)
-        return jnp.sum(indices_onehot(idx, N, s.dtype), axis=-2)
+        return jnp.sum(indices_onehot(idx, N, dtype), axis=-2)
     # gt[..., i, j] = s_j > s_i
-    gt = (s[..., None, :] > s[..., :, None]).astype(s.dtype)
-    later = np.triu(np.ones((N, N), np.float32), 1)    # j > i
-    earlier = np.tril(np.ones((N, N), np.float32), -1)  # j < i
+    gt = (s[..., None, :] > s[..., :, None]).astype(jnp.int32)
+    later = np.triu(np.ones((N, N), np.int32), 1)    # j > i
+    earlier = np.tril(np.ones((N, N), np.int32), -1)  # j < i
     # For j < i, s_j >= s_i  <=>  not (s_i > s_j)  <=>  1 - gt[..., j, i].
-    rank = jnp.sum(later * gt + earlier * (1.0 - jnp.swapaxes(gt, -1, -2)), axis=-1)
-    return (rank < k).astype(s.dtype)
+    rank = jnp.sum(later * gt + earlier * (1 - jnp.swapaxes(gt, -1, -2)), axis=-1)
+    return (rank < k).astype(dtype)
 
 
 def indices_onehot(idx: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
@@ -68,23 +71,31 @@ def indices_onehot(idx: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
 def mask_onehot(mask: jax.Array, k: int) -> jax.Array:
     """Selection mask with exactly k ones -> [..., k, N] one-hot matrix, rows in index order.
 
-    The r-th selected entry (prefix count r) lands in row r: onehot[r, n] = mask[n] *
-    (cumsum(mask)[n] - 1 == r). mask: [..., N] 0/1.
+    The r-th selected entry is where the prefix count first exceeds r: with
+    reached[r, n] = cumsum(mask)[n] > r (0 then 1 along n), onehot[r] = reached[r] minus
+    reached[r] shifted by one. One comparison per entry and no multiplication, so under
+    MPC an integer mask gives an integer one-hot at the cost of the comparisons alone.
+    mask: [..., N] 0/1 (float or integer); the result has the mask's dtype.
     """
-    order = jnp.cumsum(mask, axis=-1) - 1.0                           # [..., N]
+    count = jnp.cumsum(mask, axis=-1)                                    # [..., N]
     rows = jnp.arange(k, dtype=mask.dtype)
-    return (order[..., None, :] == rows[:, None]).astype(mask.dtype) * mask[..., None, :]
+    reached = (count[..., None, :] > rows[:, None]).astype(mask.dtype)  # [..., k, N]
+    before = jnp.pad(reached[..., :-1], [(0, 0)] * (reached.ndim - 1) + [(1, 0)])
+    return reached - before
 
 
 def gather_rows(onehot: jax.Array, x: jax.Array) -> jax.Array:
     """One-hot MatMul gather. onehot: [..., k, N] 0/1; x: [..., N, D] -> [..., k, D].
 
-    The one-hot enters the matmul as integers made by one comparison on its [k, N] entries:
-    under MPC an integer x fixed-point product needs no truncation of the [k, D] result (1.5x
-    less ABY3 communication, `python -m experiments.gather_dtype_bench`); values are exact.
+    The one-hot enters the matmul as integers (a float one-hot is turned into integers by one
+    comparison of its [k, N] entries; an integer one-hot is used as it is): under MPC an
+    integer x fixed-point product needs no truncation of the [k, D] result (1.5x less ABY3
+    communication, `python -m experiments.gather_dtype_bench`); values are exact.
     """
     lead = jnp.broadcast_shapes(onehot.shape[:-2], x.shape[:-2])
-    ints = jnp.broadcast_to(onehot > 0.5, lead + onehot.shape[-2:]).astype(jnp.int32)
+    if not jnp.issubdtype(onehot.dtype, jnp.integer):
+        onehot = onehot > 0.5
+    ints = jnp.broadcast_to(onehot, lead + onehot.shape[-2:]).astype(jnp.int32)
     rows = jnp.broadcast_to(x, lead + x.shape[-2:])
     batch = tuple(range(len(lead)))
     dims = (((len(lead) + 1,), (len(lead),)), (batch, batch))

@@ -210,3 +210,59 @@ def test_selection_matches_brute_force(levels):
             forced1 = {0, kept // s - 1}
             rest1 = [c for c in sorted(children, key=lambda c: (-bound[h, c], c)) if c not in forced1]
             assert set(chosen[h].tolist()) == forced1 | set(rest1[: counts[1] - 2])
+
+
+@pytest.mark.parametrize("start,stop", [(0, 24), (3, 19)])
+def test_attend_selected_equals_gathering_keys_and_values(start, stop):
+    """Scores picked and probabilities scattered back by the one-hot = attention over the
+    gathered clusters (plus the slots outside [start, stop) and the generated tokens)."""
+    from mpcache_jax.cache import append_token, empty_layer
+    from mpcache_jax.policies.base import attend_selected, attend_with_new
+    rng = np.random.RandomState(7)
+    Hkv, G, S, d, s = 2, 2, 24, 4, 4
+    S = stop + 5 if start else S
+    q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
+    k = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
+    v = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
+    valid = np.ones((Hkv, S), np.float32)
+    valid[:, stop - 2:stop] = 0.0        # a partly empty last cluster
+    new = empty_layer(Hkv, 3, d)
+    new = append_token(new, jnp.asarray(rng.randn(Hkv, d), jnp.float32),
+                       jnp.asarray(rng.randn(Hkv, d), jnp.float32))
+    C = (stop - start) // s
+    picks = [[0, C - 1], [1, 2]]
+    mask = np.zeros((Hkv, C), np.int32)
+    for h, p in enumerate(picks):
+        mask[h, p] = 1
+    onehot = P.mask_onehot(jnp.asarray(mask), 2)
+    got = attend_selected(q, k, v, valid, new, onehot, s, start, stop)
+    slots = [np.concatenate([np.arange(start), *[start + c * s + np.arange(s) for c in p],
+                             np.arange(stop, S)]) for p in picks]
+    take = lambda x: jnp.stack([x[h, idx] for h, idx in enumerate(slots)])
+    expected = attend_with_new(q, take(k), take(v), take(jnp.asarray(valid)), new)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="do not tile"):
+        attend_selected(q, k, v, valid, new, onehot, s + 1, start, stop)
+
+
+def test_softmax_normalisations_agree_and_are_validated(tiny):
+    from mpcache_jax import attention
+    scores = jnp.asarray(np.random.RandomState(0).randn(3, 10) * 4, jnp.float32)
+    valid = np.ones((3, 10), np.float32)
+    valid[1, 4:] = 0
+    valid[2] = 0                          # a row with nothing to attend to stays all zero
+    a = attention.masked_softmax(scores, valid, normalize="reciprocal")
+    b = attention.masked_softmax(scores, valid, normalize="divide")
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(a).sum(-1), [1.0, 1.0, 0.0], atol=1e-6)
+    assert float(np.asarray(a)[1, 4:].max()) == 0.0
+    with pytest.raises(ValueError, match="normalize"):
+        attention.masked_softmax(scores, valid, normalize="sum")
+    with pytest.raises(ValueError, match="softmax"):
+        make_policy("mpcache", 0.25, softmax="exp2")
+    # Decode logits do not depend on the normalisation (only the MPC cost does).
+    for name in ("full", "mpcache"):
+        model, params, tokens = tiny
+        logits = [_run(model, params, tokens, make_policy(name, 0.25, softmax=m), 128, 3)[0]
+                  for m in ("reciprocal", "divide")]
+        np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)

@@ -40,6 +40,16 @@ def test_topk_mask_forced_and_invalid(method):
     assert set(np.flatnonzero(mask).tolist()) == {1, 2, 5}
 
 
+@pytest.mark.parametrize("method", P.TOPK_METHODS)
+def test_topk_mask_integer_output_matches_float(method):
+    scores = jnp.asarray(np.random.RandomState(3).randn(4, 9).astype(np.float32))
+    as_float = P.topk_mask(scores, 3, method=method)
+    as_int = P.topk_mask(scores, 3, method=method, dtype=jnp.int32)
+    assert as_float.dtype == jnp.float32 and as_int.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(as_int), np.asarray(as_float))
+    assert np.asarray(as_int).sum(-1).tolist() == [3, 3, 3, 3]
+
+
 def test_topk_mask_rejects_bad_k():
     with pytest.raises(ValueError, match="0 < k"):
         P.topk_mask(jnp.zeros(4), 5)
@@ -58,6 +68,12 @@ def test_onehot_gather_equals_fancy_indexing():
     got = np.asarray(P.gather_rows(onehot, jnp.asarray(x)))
     expected = np.stack([x[h, p] for h, p in enumerate(picks)])
     np.testing.assert_array_equal(got, expected)
+    # An integer mask gives an integer one-hot with the same entries (and the same gather).
+    int_onehot = P.mask_onehot(jnp.asarray(mask, jnp.int32), 4)
+    assert int_onehot.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(int_onehot), np.asarray(onehot))
+    assert sorted(np.unique(np.asarray(onehot)).tolist()) == [0.0, 1.0]
+    np.testing.assert_array_equal(np.asarray(P.gather_rows(int_onehot, jnp.asarray(x))), expected)
     # From an index vector too.
     idx = jnp.asarray([[3, 1], [0, 11]])
     got_idx = np.asarray(P.gather_rows(P.indices_onehot(idx, 12), jnp.asarray(x)))

@@ -45,9 +45,9 @@ def make_policy(name: str, budget: float | int | None = None, **overrides) -> At
         raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(POLICY_NAMES)}")
     cls, fixed = _REGISTRY[name]
     if cls is AttentionPolicy:
-        if overrides:
-            raise ValueError(f"policy 'full' takes no options, got {sorted(overrides)}")
-        return FULL
+        if set(overrides) - {"softmax"}:
+            raise ValueError(f"policy 'full' takes only the 'softmax' option, got {sorted(overrides)}")
+        return dataclasses.replace(FULL, **overrides) if overrides else FULL
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(overrides) - fields)
     if unknown:

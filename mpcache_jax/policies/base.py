@@ -86,13 +86,65 @@ def new_region(like: LayerKV, max_new_tokens: int) -> LayerKV:
     return empty_layer(Hkv, max(1, max_new_tokens), d, like.k.dtype)
 
 
-def attend_with_new(q, k_sel, v_sel, valid_sel, new: LayerKV) -> jax.Array:
+def attend_with_new(q, k_sel, v_sel, valid_sel, new: LayerKV, normalize: str = "reciprocal"
+                    ) -> jax.Array:
     """Attention over selected prompt tokens plus all generated tokens. q: [H, d] -> [H, d]."""
     k_all = jnp.concatenate([k_sel, new.k], axis=1)
     v_all = jnp.concatenate([v_sel, new.v], axis=1)
     valid = jnp.concatenate([valid_sel, jnp.broadcast_to(new.valid(), (k_sel.shape[0], new.capacity))],
                             axis=1)
-    return attention.decode_attention(q, k_all, v_all, valid)
+    return attention.decode_attention(q, k_all, v_all, valid, normalize)
+
+
+
+def attend_selected(q, k, v, valid, new: LayerKV, onehot, cluster_size: int, start: int = 0,
+                    stop: int | None = None, normalize: str = "reciprocal") -> jax.Array:
+    """Attention over the clusters `onehot` picks from slots [start, stop) of a prompt region,
+    every other prompt slot, and all generated tokens. q: [H, d] -> [H, d].
+
+    k, v: [H_kv, S, d]; valid: [S] or [H_kv, S] (public); onehot: [H_kv, n, C] 0/1 over the
+    C = (stop - start) / cluster_size clusters (integer: no conversion under MPC).
+    Equals gathering the picked keys/values (`gather_clusters`) and attending to them, but the
+    one-hot multiplies the attention scores ([H_kv, G, S]) and scatters the probabilities back
+    instead of moving keys and values ([H_kv, S, d]): under MPC a secret one-hot product costs
+    one reshare per output element, so this is d / G times less communication. The softmax
+    still runs over the n * cluster_size picked slots only.
+    """
+    Hkv, S, _ = k.shape
+    stop = S if stop is None else stop
+    s = cluster_size
+    n, C = onehot.shape[-2:]
+    if C * s != stop - start:
+        raise ValueError(f"{C} clusters of {s} do not tile slots [{start}, {stop})")
+    scores = attention.grouped_scores(q, k)                                # [H_kv, G, S]
+    G = scores.shape[1]
+
+    def pick(x):   # [H_kv, g, C * s] -> [H_kv, g, n * s] (g = G, or 1 for the mask)
+        g = x.shape[1]
+        rows = x.reshape(Hkv, g, C, s).transpose(0, 2, 1, 3).reshape(Hkv, C, g * s)
+        out = P.gather_rows(onehot, rows)                                   # [H_kv, n, g * s]
+        return out.reshape(Hkv, n, g, s).transpose(0, 2, 1, 3).reshape(Hkv, g, n * s)
+
+    def put_back(x):   # [H_kv, G, n * s] -> [H_kv, G, C * s], zeros where nothing was picked
+        rows = x.reshape(Hkv, G, n, s).transpose(0, 2, 1, 3).reshape(Hkv, n, G * s)
+        out = P.gather_rows(jnp.swapaxes(onehot, -1, -2), rows)             # [H_kv, C, G * s]
+        return out.reshape(Hkv, C, G, s).transpose(0, 2, 1, 3).reshape(Hkv, G, C * s)
+
+    valid = jnp.broadcast_to(jnp.asarray(valid), (Hkv, S))[:, None, :]
+    if not jnp.issubdtype(valid.dtype, jnp.integer):
+        valid = valid > 0.5          # public: a free comparison
+    valid = valid.astype(jnp.int32)
+    new_valid = jnp.broadcast_to(new.valid().astype(jnp.int32), (Hkv, 1, new.capacity))
+    parts_scores = [scores[..., :start], pick(scores[..., start:stop]), scores[..., stop:],
+                    attention.grouped_scores(q, new.k)]
+    parts_valid = [valid[..., :start], pick(valid[..., start:stop]), valid[..., stop:], new_valid]
+    sizes = np.cumsum([x.shape[-1] for x in parts_scores])[:-1]
+    probs = attention.masked_softmax(jnp.concatenate(parts_scores, -1),
+                                     jnp.concatenate(parts_valid, -1), normalize=normalize)
+    head, picked, tail, p_new = jnp.split(probs, sizes, axis=-1)
+    p_prompt = jnp.concatenate([head, put_back(picked), tail], axis=-1)    # [H_kv, G, S]
+    out = jnp.einsum("kgs,ksd->kgd", p_prompt, v) + jnp.einsum("kgn,knd->kgd", p_new, new.v)
+    return out.reshape(q.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +159,7 @@ class PromptEvictionPolicy(AttentionPolicy):
     topk_method: str = "lax"
 
     def __post_init__(self):
+        super().__post_init__()
         validate_budget(self.budget)
         if self.topk_method not in P.TOPK_METHODS:
             raise ValueError(f"topk_method={self.topk_method!r}; use one of {P.TOPK_METHODS}")
@@ -177,7 +230,7 @@ class PromptEvictionPolicy(AttentionPolicy):
 
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
         new = append_token(state.new, k_new, v_new)
-        out = attend_with_new(q, state.k, state.v, state.valid, new)
+        out = attend_with_new(q, state.k, state.v, state.valid, new, self.softmax)
         return out, state.replace(new=new), carry
 
 
@@ -217,10 +270,12 @@ class EvictingLayer:
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
 
 
-def attention_with_probs(q, k, v, valid) -> tuple[jax.Array, jax.Array]:
+def attention_with_probs(q, k, v, valid, normalize: str = "reciprocal"
+                         ) -> tuple[jax.Array, jax.Array]:
     """decode_attention that also returns the weights. q: [H, d]; k, v: [H_kv, S, d];
     valid: [H_kv, S] -> (out [H, d], probs [H_kv, G, S])."""
-    probs = attention.masked_softmax(attention.grouped_scores(q, k), valid[:, None, :])
+    probs = attention.masked_softmax(attention.grouped_scores(q, k), valid[:, None, :],
+                                     normalize=normalize)
     out = jnp.einsum("kgs,ksd->kgd", probs, v)
     return out.reshape(q.shape), probs
 
@@ -318,7 +373,7 @@ class DecodeEvictionPolicy(PromptEvictionPolicy):
         v_all = jnp.concatenate([state.v, v_new[:, None, :].astype(dtype)], axis=1)
         ones = jnp.ones((Hkv, 1), dtype)
         valid_all = jnp.concatenate([state.valid, ones], axis=1)
-        out, probs = attention_with_probs(q, k_all, v_all, valid_all)
+        out, probs = attention_with_probs(q, k_all, v_all, valid_all, self.softmax)
         position = state.seen.astype(dtype)
         score_all = self.step_scores(jnp.concatenate([state.score, 0.0 * ones], axis=1), probs)
         pos_all = jnp.concatenate([state.pos, position * ones], axis=1)

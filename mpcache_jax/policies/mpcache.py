@@ -20,8 +20,8 @@ import numpy as np
 
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import append_token
-from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_with_new,
-                                       window_attention_mass)
+from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_selected,
+                                       attend_with_new, window_attention_mass)
 
 SIMILARITIES = ("alpha", "mp", "avg")
 STATIC_SCOPES = ("layer", "head", "model")
@@ -278,8 +278,9 @@ class MPCache(PromptEvictionPolicy):
         return P.cluster_scores(qg, digest[0], digest[0], mode="avg", mean=digest[0])
 
     def select(self, q, state: PrunedLayer) -> jax.Array:
-        """Hierarchical selection -> one-hot [H_kv, k, C] over the finest clusters (rows in
-        cluster order). q: [H, d]."""
+        """Hierarchical selection -> integer one-hot [H_kv, k, C] over the finest clusters (rows
+        in cluster order). q: [H, d]. Masks, one-hots and their compositions across levels
+        are integers built from comparisons: under MPC none of them needs a truncation."""
         Hkv, S, _ = state.k.shape
         qg = q.reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])
         sizes = self.sizes
@@ -287,7 +288,7 @@ class MPCache(PromptEvictionPolicy):
         counts = self.level_counts(kept, P.budget_tokens(self.budget, state.prompt_len))
         valid = [math.ceil(kept / s) for s in sizes]
         total = [S // s for s in sizes]
-        dtype = state.k.dtype
+        dtype = jnp.int32
 
         # Level 0: every cluster of the kept region is a candidate.
         k0 = counts[0]
@@ -298,7 +299,7 @@ class MPCache(PromptEvictionPolicy):
             forced[[0, valid[0] - 1]] = 1.0
             cand_valid = (np.arange(total[0]) < valid[0]).astype(np.float32)
             mask = P.topk_mask(self._scores(qg, state.extras[0]), k0, valid=cand_valid,
-                               forced=forced, method=self.topk_method)
+                               forced=forced, method=self.topk_method, dtype=dtype)
             chosen = P.mask_onehot(mask, k0)                               # [H_kv, k0, C0]
 
         # Finer levels: candidates are the children of the clusters chosen one level up.
@@ -318,19 +319,17 @@ class MPCache(PromptEvictionPolicy):
             forced[[0, n_cand - pad - 1]] = 1.0
             digest = tuple(P.gather_rows(child, part) for part in state.extras[i])
             mask = P.topk_mask(self._scores(qg, digest), counts[i], valid=cand_valid,
-                               forced=forced, method=self.topk_method)
+                               forced=forced, method=self.topk_method, dtype=dtype)
             chosen = jnp.einsum("hkn,hnc->hkc", P.mask_onehot(mask, counts[i]), child)
         return chosen
 
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
         new = append_token(state.new, k_new, v_new)
         if not self.dynamic:
-            return attend_with_new(q, state.k, state.v, state.valid, new), state.replace(new=new), carry
+            out = attend_with_new(q, state.k, state.v, state.valid, new, self.softmax)
+            return out, state.replace(new=new), carry
         if self.selects(layer) or carry is None:
             carry = self.select(q, state)
-        s = self.sizes[-1]
-        k_sel = P.gather_clusters(carry, state.k, s)
-        v_sel = P.gather_clusters(carry, state.v, s)
-        valid_sel = P.gather_clusters(carry, state.valid[..., None], s)[..., 0]
-        out = attend_with_new(q, k_sel, v_sel, valid_sel, new)
+        out = attend_selected(q, state.k, state.v, state.valid, new, carry, self.sizes[-1],
+                              normalize=self.softmax)
         return out, state.replace(new=new), carry

@@ -22,8 +22,8 @@ import numpy as np
 
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import append_token
-from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_with_new,
-                                       new_region, prompt_kv)
+from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_selected,
+                                       attend_with_new, new_region, prompt_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,29 +142,26 @@ class PageSelectionPolicy(PromptEvictionPolicy):
         return tuple(out)
 
     def select(self, q, state: PrunedLayer, lay: Layout) -> jax.Array:
-        """Pages attended this step: 0/1 [H_kv, num_pages] with `lay.selected` ones. q: [H, d]."""
+        """Pages attended this step: integer 0/1 [H_kv, num_pages] with `lay.selected` ones.
+        q: [H, d]."""
         Hkv = state.k.shape[0]
         qg = q.reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])
         return P.topk_mask(self.page_scores(qg, state.extras, lay), lay.selected,
-                           forced=self.forced_pages(state, lay), method=self.topk_method)
+                           forced=self.forced_pages(state, lay), method=self.topk_method,
+                           dtype=jnp.int32)
 
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
         new = append_token(state.new, k_new, v_new)
         state = state.replace(new=new)
         lay = self.layout(state.prompt_len)
         if lay.full or layer < self.dense_layers:
-            return attend_with_new(q, state.k, state.v, state.valid, new), state, carry
+            return attend_with_new(q, state.k, state.v, state.valid, new, self.softmax), state, carry
         mask = self.select(q, state, lay)
         onehot = P.mask_onehot(mask, lay.selected)                       # [H_kv, n, C]
-        i0, i1 = lay.initial, lay.initial + lay.padded
-
-        def pick(x):  # x: [H_kv, S, e] -> initial + selected pages + local
-            pages = P.gather_clusters(onehot, x[:, i0:i1], lay.page_size)
-            return jnp.concatenate([x[:, :i0], pages, x[:, i1:]], axis=1)
-
-        valid = pick(state.valid[..., None])[..., 0]
-        out = attend_with_new(q, pick(state.k), pick(state.v), valid, new)
-        return out, self.after_select(state, mask, k_new, lay), carry
+        # initial tokens + selected pages of the middle + local tokens
+        out = attend_selected(q, state.k, state.v, state.valid, new, onehot, lay.page_size,
+                              lay.initial, lay.initial + lay.padded, self.softmax)
+        return out, self.after_select(state, mask.astype(state.k.dtype), k_new, lay), carry
 
 
 @dataclasses.dataclass(frozen=True)
