@@ -39,8 +39,9 @@ flags.DEFINE_integer("policy_chunk", 0, "Evaluate policies x budgets in groups o
                      "programs, freeing compiled programs between groups (bounds memory on "
                      "large sweeps; each group prefills the samples again). 0: all at once.")
 # Model numerics
-flags.DEFINE_enum("activation_impl", "exact", ["exact", "poly"],
-                  "MLP activation: exact (jax.nn) or piecewise polynomial (MPC-friendly).")
+flags.DEFINE_enum("activation_impl", "exact", ["exact", "poly", "newton"],
+                  "MLP activation: exact (jax.nn), piecewise polynomial, or newton (sigmoid "
+                  "from exp(-|x|) and Newton steps; SiLU / tanh-GeLU, the cheapest under MPC).")
 # Secure inference (mpc_cost)
 flags.DEFINE_enum("backend", "spu_sim", ["xla", "spu_sim", "spu_nodes"],
                   "xla = plaintext; spu_sim = SPU protocols with in-process parties; spu_nodes = "

@@ -7,7 +7,7 @@ ARCHS = ("llama", "gpt2")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 # How MLP activations are evaluated: "exact" (jax.nn, today's behaviour) or "poly" (piecewise
 # polynomials, PUMA-style: comparisons + multiplications only, cheaper under MPC).
-ACTIVATION_IMPLS = ("exact", "poly")
+ACTIVATION_IMPLS = ("exact", "poly", "newton")
 
 
 class ConfigError(ValueError):

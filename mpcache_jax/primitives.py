@@ -84,6 +84,10 @@ def mask_onehot(mask: jax.Array, k: int) -> jax.Array:
     return reached - before
 
 
+# Largest block-diagonal one-hot (entries) gather_rows builds to replace a batched matmul.
+BLOCK_DIAGONAL_MAX = 1 << 21
+
+
 def gather_rows(onehot: jax.Array, x: jax.Array) -> jax.Array:
     """One-hot MatMul gather. onehot: [..., k, N] 0/1; x: [..., N, D] -> [..., k, D].
 
@@ -91,12 +95,22 @@ def gather_rows(onehot: jax.Array, x: jax.Array) -> jax.Array:
     comparison of its [k, N] entries; an integer one-hot is used as it is): under MPC an
     integer x fixed-point product needs no truncation of the [k, D] result (1.5x less ABY3
     communication, `python -m experiments.gather_dtype_bench`); values are exact.
+    With leading axes (heads) and a small one-hot, the gather is one 2-D matmul of the
+    block-diagonal one-hot [L*k, L*N] with the stacked rows [L*N, D]: SPU runs a batched
+    matmul as a loop over the batch, one round of messages per head, so this sends the same
+    [L*k, D] result in one round instead of L.
     """
     lead = jnp.broadcast_shapes(onehot.shape[:-2], x.shape[:-2])
     if not jnp.issubdtype(onehot.dtype, jnp.integer):
         onehot = onehot > 0.5
     ints = jnp.broadcast_to(onehot, lead + onehot.shape[-2:]).astype(jnp.int32)
     rows = jnp.broadcast_to(x, lead + x.shape[-2:])
+    (k, N), D, L = ints.shape[-2:], rows.shape[-1], math.prod(lead)
+    if lead and L * k * L * N <= BLOCK_DIAGONAL_MAX:
+        eye = np.eye(L, dtype=np.int32)[:, None, :, None]                # public
+        blocks = (ints.reshape(L, k, 1, N) * eye).reshape(L * k, L * N)
+        out = jax.lax.dot(blocks, rows.reshape(L * N, D), preferred_element_type=x.dtype)
+        return out.reshape(lead + (k, D))
     batch = tuple(range(len(lead)))
     dims = (((len(lead) + 1,), (len(lead),)), (batch, batch))
     return jax.lax.dot_general(ints, rows, dims, preferred_element_type=x.dtype)
@@ -157,6 +171,19 @@ def update_bounds(r_max: jax.Array, r_min: jax.Array, k_new: jax.Array, slot, cl
             jax.lax.dynamic_update_slice(r_min, jnp.minimum(cur_min, new), start))
 
 
+def rowwise_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a: [L, d]; b: [L, C, d] -> [L, C], out[l, c] = a[l] . b[l, c].
+
+    When small, computed as one 2-D matmul of the block-diagonal [L, L*d] spread of `a` (a
+    product with a public 0/1 pattern, free under MPC) with `b` stacked as [L*d, C]: one round
+    of messages under SPU instead of one per row l (see `gather_rows`)."""
+    L, C, d = b.shape
+    if L * L * d * C > BLOCK_DIAGONAL_MAX:
+        return jnp.einsum("ld,lcd->lc", a, b)
+    spread = (a[:, None, :] * np.eye(L, dtype=np.int32)[:, :, None]).reshape(L, L * d)
+    return spread @ jnp.swapaxes(b, 1, 2).reshape(L * d, C)
+
+
 def cluster_scores(q: jax.Array, r_max: jax.Array, r_min: jax.Array, mode: str = "alpha",
                    alpha: float = 0.6, mean: jax.Array | None = None) -> jax.Array:
     """Similarity of each query head with each cluster, summed over the heads of a GQA group.
@@ -168,8 +195,10 @@ def cluster_scores(q: jax.Array, r_max: jax.Array, r_min: jax.Array, mode: str =
     "avg": q . mean(cluster).
     """
     if mode == "alpha":
-        centre = alpha * r_max + (1.0 - alpha) * r_min
-        return jnp.einsum("kd,kcd->kc", jnp.sum(q, axis=1), centre)
+        # (alpha 0 or 1 skips a multiplication by a public constant: a truncation under MPC)
+        centre = (r_max if alpha == 1.0 else r_min if alpha == 0.0 else
+                  alpha * r_max + (1.0 - alpha) * r_min)
+        return rowwise_dot(jnp.sum(q, axis=1), centre)
     if mode == "mp":
         hi = q[:, :, None, :] * r_max[:, None, :, :]
         lo = q[:, :, None, :] * r_min[:, None, :, :]
@@ -177,7 +206,7 @@ def cluster_scores(q: jax.Array, r_max: jax.Array, r_min: jax.Array, mode: str =
     if mode == "avg":
         if mean is None:
             raise ValueError("mode='avg' needs the cluster means")
-        return jnp.einsum("kd,kcd->kc", jnp.sum(q, axis=1), mean)
+        return rowwise_dot(jnp.sum(q, axis=1), mean)
     raise ValueError(f"unknown similarity mode {mode!r}; use 'alpha', 'mp' or 'avg'")
 
 

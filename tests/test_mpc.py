@@ -93,6 +93,25 @@ def test_poly_activations_stay_close_to_exact(name, bound):
     assert float(activation_fn(name, "poly")(jnp.float32(30.0))) == 30.0
 
 
+@pytest.mark.parametrize("name", ["silu", "gelu_tanh"])
+def test_newton_activations_match_exact_in_float(name):
+    x = jnp.linspace(-60.0, 60.0, 120001)
+    err = jnp.abs(activation_fn(name, "newton")(x) - activation_fn(name)(x))
+    assert float(jnp.max(err)) <= 2e-5
+    with pytest.raises(ValueError, match="erf GeLU"):
+        activation_fn("gelu", "newton")
+
+
+def test_newton_silu_under_aby3_matches_exact_silu():
+    x = (np.random.RandomState(0).randn(64) * 4).astype(np.float32)
+    x[:6] = [-30.0, -8.0, -1e-3, 0.0, 8.0, 30.0]
+    backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"))
+    prog = backend.compile(activation_fn("silu", "newton"), (x,), mpc.SECRET)
+    out, _, _ = backend.run(prog, backend.share(x, mpc.SECRET))
+    np.testing.assert_allclose(np.asarray(backend.reveal(out)), np.asarray(jax.nn.silu(x)),
+                               atol=5e-3)
+
+
 def test_poly_activation_model_runs_jitted_and_stays_close(tiny):
     from models.model import Model
     model, params, prompt = tiny

@@ -116,7 +116,11 @@ def attend_selected(q, k, v, valid, new: LayerKV, onehot, cluster_size: int, sta
     n, C = onehot.shape[-2:]
     if C * s != stop - start:
         raise ValueError(f"{C} clusters of {s} do not tile slots [{start}, {stop})")
-    scores = attention.grouped_scores(q, k)                                # [H_kv, G, S]
+    # One score matmul and one value matmul over prompt slots and generated tokens together.
+    k_all = jnp.concatenate([k, new.k], axis=1)
+    v_all = jnp.concatenate([v, new.v], axis=1)
+    scores_all = attention.grouped_scores(q, k_all)                        # [H_kv, G, S + N]
+    scores = scores_all[..., :S]
     G = scores.shape[1]
 
     def pick(x):   # [H_kv, g, C * s] -> [H_kv, g, n * s] (g = G, or 1 for the mask)
@@ -136,15 +140,14 @@ def attend_selected(q, k, v, valid, new: LayerKV, onehot, cluster_size: int, sta
     valid = valid.astype(jnp.int32)
     new_valid = jnp.broadcast_to(new.valid().astype(jnp.int32), (Hkv, 1, new.capacity))
     parts_scores = [scores[..., :start], pick(scores[..., start:stop]), scores[..., stop:],
-                    attention.grouped_scores(q, new.k)]
+                    scores_all[..., S:]]
     parts_valid = [valid[..., :start], pick(valid[..., start:stop]), valid[..., stop:], new_valid]
     sizes = np.cumsum([x.shape[-1] for x in parts_scores])[:-1]
     probs = attention.masked_softmax(jnp.concatenate(parts_scores, -1),
                                      jnp.concatenate(parts_valid, -1), normalize=normalize)
     head, picked, tail, p_new = jnp.split(probs, sizes, axis=-1)
-    p_prompt = jnp.concatenate([head, put_back(picked), tail], axis=-1)    # [H_kv, G, S]
-    out = jnp.einsum("kgs,ksd->kgd", p_prompt, v) + jnp.einsum("kgn,knd->kgd", p_new, new.v)
-    return out.reshape(q.shape)
+    p_all = jnp.concatenate([head, put_back(picked), tail, p_new], axis=-1)  # [H_kv, G, S + N]
+    return jnp.einsum("kgs,ksd->kgd", p_all, v_all).reshape(q.shape)
 
 
 @dataclasses.dataclass(frozen=True)

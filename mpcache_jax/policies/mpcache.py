@@ -320,7 +320,7 @@ class MPCache(PromptEvictionPolicy):
             digest = tuple(P.gather_rows(child, part) for part in state.extras[i])
             mask = P.topk_mask(self._scores(qg, digest), counts[i], valid=cand_valid,
                                forced=forced, method=self.topk_method, dtype=dtype)
-            chosen = jnp.einsum("hkn,hnc->hkc", P.mask_onehot(mask, counts[i]), child)
+            chosen = P.gather_rows(P.mask_onehot(mask, counts[i]), child)   # [H_kv, k, C]
         return chosen
 
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
