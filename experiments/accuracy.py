@@ -148,6 +148,19 @@ def policy_chunks(policies, size: int):
     return [policies[i:i + size] for i in range(0, len(policies), size)]
 
 
+def record_key(r) -> tuple:
+    return (r["task"], r["sample_id"], r["policy"], r["budget"])
+
+
+def load_finished(samples_path):
+    """Per-sample records of an earlier run in the same output directory (--resume)."""
+    if not samples_path.exists():
+        raise SystemExit(f"--resume: no {samples_path} to resume from")
+    records = [json.loads(line) for line in samples_path.read_text().splitlines() if line]
+    print(f"resuming: {len(records)} finished sample x policy records in {samples_path}")
+    return records
+
+
 def aggregate(sample_records, FLAGS):
     groups = collections.defaultdict(list)
     for r in sample_records:
@@ -249,13 +262,19 @@ def run(FLAGS) -> None:
                for sample in make_samples(FLAGS, task, loaded.tokenizer, lengths, depths)]
     out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
     samples_path = out / "samples.jsonl"
-    samples_path.write_text("")
-    all_records = []
+    all_records = load_finished(samples_path) if FLAGS.resume else []
+    finished = {record_key(r) for r in all_records}
+    samples_path.write_text("".join(json.dumps(r) + "\n" for r in all_records))
     chunks = policy_chunks(policies, FLAGS.policy_chunk)
     bar = tqdm(total=len(samples) * len(chunks), desc=",".join(task_names), unit="sample")
     for chunk in chunks:
         for sample in samples:
-            records = evaluate_sample(loaded, sample, chunk, FLAGS)
+            todo = [p for p in chunk
+                    if (sample.task, sample.sample_id, p[0], p[1]) not in finished]
+            if not todo:
+                bar.update()
+                continue
+            records = evaluate_sample(loaded, sample, todo, FLAGS)
             common.write_jsonl(samples_path, records, append=True)
             all_records.extend(records)
             means = collections.defaultdict(list)

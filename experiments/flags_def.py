@@ -35,6 +35,9 @@ flags.DEFINE_string("data_path", None, "Text file (ppl) or LongBench-format JSON
 flags.DEFINE_enum("metric", None, ["contains", "exact", "qa_f1", "rouge_l"],
                   "LongBench metric (default: by dataset name).")
 flags.DEFINE_integer("ppl_target_len", 64, "Tokens scored after each ppl prefix.")
+flags.DEFINE_bool("resume", False, "Accuracy: keep the per-sample records already in "
+                  "OUTPUT_DIR/samples.jsonl (same flags) and run only the missing sample x policy "
+                  "pairs, e.g. after a run was killed.")
 flags.DEFINE_integer("policy_chunk", 0, "Evaluate policies x budgets in groups of this many "
                      "programs, freeing compiled programs between groups (bounds memory on "
                      "large sweeps; each group prefills the samples again). 0: all at once.")

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpcache_jax import primitives as P
 from mpcache_jax.mpc import backends as B
 from mpcache_jax.mpc.config import MPCConfig
 
@@ -34,6 +35,9 @@ def main() -> None:
             o.astype(jnp.int32), v, BATCHED, preferred_element_type=jnp.float32),
         "int one-hot from a comparison": lambda o, v: jax.lax.dot_general(
             (o > 0.5).astype(jnp.int32), v, BATCHED, preferred_element_type=jnp.float32),
+        # primitives.gather_rows: the same integer one-hot, block-diagonal 2-D matmul (1 round
+        # instead of one per head)
+        "gather_rows (block-diagonal)": lambda o, v: P.gather_rows(o, v),
     }
     backend = B.make_backend("spu_sim", MPCConfig(protocol="ABY3"))
     base = None

@@ -94,21 +94,30 @@ def test_accuracy_cli_rejects_bad_flags_before_loading(flag, message):
 
 
 @pytest.mark.slow
-def test_accuracy_policy_chunks_give_the_same_records(tmp_path):
-    """--policy_chunk only changes when programs are compiled and freed, not any result."""
+def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
+    """--policy_chunk only changes when programs are compiled and freed, not any result;
+    --resume keeps finished records and runs only the missing ones."""
     outputs = {}
-    for chunk in (0, 1):
-        out = tmp_path / f"chunk{chunk}"
+    for run, extra in (("all", ["--policy_chunk=0"]), ("chunked", ["--policy_chunk=1"]),
+                       ("resumed", ["--policy_chunk=2", "--resume"])):
+        out = tmp_path / ("chunked" if run == "resumed" else run)
+        if run == "resumed":   # as if the chunked run had been killed after 2 records
+            lines = (out / "samples.jsonl").read_text().splitlines()
+            (out / "samples.jsonl").write_text("\n".join(lines[:2]) + "\n")
         cmd = [sys.executable, "-m", "experiments.run", "--experiment=accuracy",
                "--model=smollm2-135m", "--task=passkey", "--num_samples=2", "--lengths=300",
                "--depths=0.3,0.8", "--policies=full,streaming_llm", "--budgets=0.2,0.5",
-               "--max_new_tokens=8", f"--policy_chunk={chunk}", f"--output_dir={out}"]
+               "--max_new_tokens=8", f"--output_dir={out}", *extra]
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-        outputs[chunk] = sorted((r["sample_id"], r["policy"], r["budget"], r["output"], r["score"])
-                                for r in records)
+        outputs[run] = sorted((r["sample_id"], r["policy"], r["budget"], r["output"], r["score"])
+                              for r in records)
+        if run == "resumed":
+            assert "resuming: 2 finished" in proc.stdout
+            results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+            assert sorted(r["n"] for r in results) == [2, 2, 2]
     # 2 samples x (full + streaming_llm at two budgets)
-    assert len(outputs[0]) == 2 * 3
-    assert outputs[0] == outputs[1]
-    assert len({o[3] for o in outputs[0]}) > 1  # the policies do not all say the same thing
+    assert len(outputs["all"]) == 2 * 3
+    assert outputs["all"] == outputs["chunked"] == outputs["resumed"]
+    assert len({o[3] for o in outputs["all"]}) > 1  # the policies do not all say the same thing
