@@ -6,6 +6,8 @@ very negative number into `exp` (SPU's fixed-point exp returns garbage below abo
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -51,9 +53,10 @@ def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:
     G = H // H_kv consecutive query heads share a KV head.
     """
     Hkv = k.shape[0]
-    qg = q.reshape((Hkv, q.shape[0] // Hkv) + q.shape[1:])
-    scale = jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
-    return jnp.einsum("kg...d,ksd->kg...s", qg, k) / scale
+    # Scaling q rather than the scores: under MPC one truncation per query entry instead of
+    # one per score.
+    qg = q.reshape((Hkv, q.shape[0] // Hkv) + q.shape[1:]) * (1.0 / math.sqrt(q.shape[-1]))
+    return jnp.einsum("kg...d,ksd->kg...s", qg, k)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,

@@ -37,9 +37,9 @@ def topk_mask(scores: jax.Array, k: int, *, valid: jax.Array | None = None,
     first, invalid entries last). Ties go to the lower index, as `lax.top_k` does.
     method="lax": `lax.top_k` + one-hot of the returned indices.
     method="rank": constant depth; rank_i = #{j<i: s_j >= s_i} + #{j>i: s_j > s_i} from one
-    batch of N^2 pairwise comparisons (all rows at once, no sorting network); keep rank < k.
-    The ranks are counted in integers: under MPC, adding up comparison bits needs no
-    fixed-point truncation.
+    batch of N(N-1)/2 comparisons, one per pair i < j (the pair's other order is its
+    complement), for all rows at once (no sorting network); keep rank < k. The ranks are
+    counted in integers: under MPC, adding up comparison bits needs no fixed-point truncation.
     Returns [..., N] of `dtype` (default: the scores' dtype).
     """
     N = scores.shape[-1]
@@ -54,13 +54,32 @@ def topk_mask(scores: jax.Array, k: int, *, valid: jax.Array | None = None,
     if method == "lax":
         _, idx = jax.lax.top_k(s, k)
         return jnp.sum(indices_onehot(idx, N, dtype), axis=-2)
-    # gt[..., i, j] = s_j > s_i
-    gt = (s[..., None, :] > s[..., :, None]).astype(jnp.int32)
-    later = np.triu(np.ones((N, N), np.int32), 1)    # j > i
-    earlier = np.tril(np.ones((N, N), np.int32), -1)  # j < i
-    # For j < i, s_j >= s_i  <=>  not (s_i > s_j)  <=>  1 - gt[..., j, i].
-    rank = jnp.sum(later * gt + earlier * (1 - jnp.swapaxes(gt, -1, -2)), axis=-1)
-    return (rank < k).astype(dtype)
+    return (_pairwise_rank(s) < k).astype(dtype)
+
+
+def _pairwise_rank(s: jax.Array) -> jax.Array:
+    """rank_i = #{j<i: s_j >= s_i} + #{j>i: s_j > s_i} for s: [..., N], from one comparison
+    per pair. The pairs are laid out as [N // 2, N]: row t pairs entry i with (i + t) mod N,
+    which lists every unordered pair once (row N/2 twice for even N: half of it is masked).
+    All index patterns are public constants, so the layout costs nothing under MPC."""
+    N = s.shape[-1]
+    if N == 1:
+        return jnp.zeros(s.shape, jnp.int32)
+    t = np.arange(1, N // 2 + 1)[:, None]
+    i = np.arange(N)[None, :]
+    j = (i + t) % N
+    wrap = j < i                                   # then the pair is (j, i), j the lower index
+    keep = ~((2 * t == N) & (i >= N // 2))
+    hi, lo = np.where(wrap, i, j), np.where(wrap, j, i)
+    later_wins = (s[..., hi] > s[..., lo]).astype(jnp.int32) * keep.astype(np.int32)
+    # The lower index gains later_wins, the higher one keep - later_wins (s_lo >= s_hi).
+    # Column i of row t holds i's own share ("stay") and its partner's ("move").
+    lose = keep.astype(np.int32) - later_wins
+    stay = jnp.where(wrap, lose, later_wins)
+    move = jnp.where(wrap, later_wins, lose)       # belongs to entry (i + t) mod N
+    source = (np.arange(N)[None, :] - t) % N       # move[t, n - t] belongs to n
+    moved = jnp.take_along_axis(move, np.broadcast_to(source, move.shape), axis=-1)
+    return jnp.sum(stay + moved, axis=-2)
 
 
 def indices_onehot(idx: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:

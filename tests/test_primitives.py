@@ -50,6 +50,16 @@ def test_topk_mask_integer_output_matches_float(method):
     assert np.asarray(as_int).sum(-1).tolist() == [3, 3, 3, 3]
 
 
+def test_pairwise_rank_matches_brute_force_with_ties():
+    rng = np.random.RandomState(5)
+    for N in (1, 2, 3, 4, 7, 8, 16, 33):
+        s = rng.randint(0, 4, size=(3, N)).astype(np.float32)    # many ties
+        want = [[sum(s[b, j] >= s[b, i] for j in range(i)) +
+                 sum(s[b, j] > s[b, i] for j in range(i + 1, N)) for i in range(N)]
+                for b in range(3)]
+        np.testing.assert_array_equal(np.asarray(P._pairwise_rank(jnp.asarray(s))), want)
+
+
 def test_topk_mask_rejects_bad_k():
     with pytest.raises(ValueError, match="0 < k"):
         P.topk_mask(jnp.zeros(4), 5)
