@@ -188,7 +188,12 @@ def plot_score_vs_budget(results, path):
     import matplotlib.pyplot as plt
 
     task_names = sorted({r["task"] for r in results})
-    fig, axes = plt.subplots(1, len(task_names), figsize=(6.5 * len(task_names), 4.6), squeeze=False)
+    many = len({r["policy"] for r in results}) > 8
+    cols = 2 if len(task_names) >= 4 else len(task_names)
+    rows = -(-len(task_names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
+    for ax in axes.flat[len(task_names):]:
+        ax.axis("off")
     for ax, task in zip(axes.flat, task_names):
         by_policy = collections.defaultdict(list)
         for r in results:
@@ -209,10 +214,14 @@ def plot_score_vs_budget(results, path):
         ax.set_xlabel("budget (prompt tokens attended, ratio or count)")
         ax.set_ylabel("perplexity (lower is better)" if task == "ppl" else "score")
         ax.set_title(f"{task} ({results[0]['model']}, n={n})")
-        ax.legend(fontsize=7, ncol=2 if len(by_policy) > 8 else 1)
+        if not many:
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
+    if many:  # one shared legend beside the panels instead of one covering each panel
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
