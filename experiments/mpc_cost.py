@@ -32,9 +32,10 @@ from models.model import Model
 # Cheaper top-k per protocol, measured by `--mpc_bench=topk` (experiments/flags/mpc_topk.flags,
 # 32 heads ranked per call, LAN-modelled latency): SPU's lax.top_k sorts the heads one after the
 # other (~1200-3000 messages); the pairwise rank ranks every head at once in constant depth
-# (17-30 messages) but needs N^2 comparisons (~5x (ABY3) / ~2x (SEMI2K) the bytes of lax). The
-# rank is the faster one up to RANK_MAX_CANDIDATES candidates per head, lax beyond.
-RANK_MAX_CANDIDATES = {"ABY3": 32, "SEMI2K": 64, "CHEETAH": 32}
+# (15-19 messages) with N(N-1)/2 comparisons: 0.6x lax's bytes (ABY3), about the same (SEMI2K),
+# but O(N^2) local work. Counting the simulated compute, the rank is the faster one up to
+# RANK_MAX_CANDIDATES candidates per head (mpc_topk.flags, 2026-11-22), lax beyond.
+RANK_MAX_CANDIDATES = {"ABY3": 64, "SEMI2K": 128, "CHEETAH": 64}
 ORACLE = "oracle"
 NEW_SLOTS = 8  # room for generated tokens in every policy's cache
 
@@ -58,7 +59,7 @@ def protocols(FLAGS) -> list[str]:
 def topk_method_for(FLAGS, protocol: str, candidates: int) -> str:
     if FLAGS.topk_method != "auto":
         return FLAGS.topk_method
-    return "rank" if candidates <= RANK_MAX_CANDIDATES.get(protocol, 32) else "lax"
+    return "rank" if candidates <= RANK_MAX_CANDIDATES.get(protocol, 64) else "lax"
 
 
 def build_policy(FLAGS, name: str, protocol: str, prompt_len: int):

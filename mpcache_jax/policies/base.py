@@ -96,7 +96,6 @@ def attend_with_new(q, k_sel, v_sel, valid_sel, new: LayerKV, normalize: str = "
     return attention.decode_attention(q, k_all, v_all, valid, normalize)
 
 
-
 def attend_selected(q, k, v, valid, new: LayerKV, onehot, cluster_size: int, start: int = 0,
                     stop: int | None = None, normalize: str = "reciprocal") -> jax.Array:
     """Attention over the clusters `onehot` picks from slots [start, stop) of a prompt region,
