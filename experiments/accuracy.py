@@ -163,13 +163,16 @@ def release_compiled_programs() -> None:
 
 def resident_mb() -> float:
     try:
-        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
     except (OSError, ValueError):
         return float("nan")
 
 
-def record_key(r) -> tuple:
-    return (r["task"], r["sample_id"], r["policy"], r["budget"])
+def record_key(task: str, sample_id: str, policy: str, budget) -> tuple:
+    """Identity of one sample x policy record (what --resume skips)."""
+    return (task, sample_id, policy, budget)
 
 
 def load_finished(samples_path):
@@ -292,14 +295,15 @@ def run(FLAGS) -> None:
     out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
     samples_path = out / "samples.jsonl"
     all_records = load_finished(samples_path) if FLAGS.resume else []
-    finished = {record_key(r) for r in all_records}
+    finished = {record_key(r["task"], r["sample_id"], r["policy"], r["budget"])
+                for r in all_records}
     samples_path.write_text("".join(json.dumps(r) + "\n" for r in all_records))
     chunks = policy_chunks(policies, FLAGS.policy_chunk)
     bar = tqdm(total=len(samples) * len(chunks), desc=",".join(task_names), unit="sample")
-    for chunk in chunks:
+    for number, chunk in enumerate(chunks, 1):
         for sample in samples:
-            todo = [p for p in chunk
-                    if (sample.task, sample.sample_id, p[0], p[1]) not in finished]
+            todo = [(label, budget, policy) for label, budget, policy in chunk
+                    if record_key(sample.task, sample.sample_id, label, budget) not in finished]
             if not todo:
                 bar.update()
                 continue
@@ -313,8 +317,8 @@ def run(FLAGS) -> None:
             bar.set_postfix({k: f"{np.mean(v):.2f}" for k, v in list(means.items())[:4]})
         if len(chunks) > 1:
             release_compiled_programs()
-            tqdm.write(f"policy group {chunks.index(chunk) + 1}/{len(chunks)} done; resident "
-                       f"memory {resident_mb():.0f} MB")
+            tqdm.write(f"policy group {number}/{len(chunks)} done; resident memory "
+                       f"{resident_mb():.0f} MB")
     bar.close()
     results = aggregate(all_records, FLAGS)
     common.write_jsonl(out / "results.jsonl", results)

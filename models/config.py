@@ -5,8 +5,9 @@ import dataclasses
 
 ARCHS = ("llama", "gpt2")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-# How MLP activations are evaluated: "exact" (jax.nn, today's behaviour) or "poly" (piecewise
-# polynomials, PUMA-style: comparisons + multiplications only, cheaper under MPC).
+# How MLP activations are evaluated: "exact" (jax.nn, today's behaviour), "poly" (piecewise
+# polynomials, PUMA-style: comparisons + multiplications only) or "newton" (sigmoid from
+# exp(-|x|) and Newton steps: SiLU and tanh-GeLU, the cheapest of the three under MPC).
 ACTIVATION_IMPLS = ("exact", "poly", "newton")
 
 

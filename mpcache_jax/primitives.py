@@ -103,8 +103,26 @@ def mask_onehot(mask: jax.Array, k: int) -> jax.Array:
     return reached - before
 
 
-# Largest block-diagonal one-hot (entries) gather_rows builds to replace a batched matmul.
+# Largest block-diagonal operand (entries) batched_matmul builds to replace a batched matmul.
 BLOCK_DIAGONAL_MAX = 1 << 21
+
+
+def batched_matmul(a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
+    """a: [L, m, n]; b: [L, n, p] -> [L, m, p], one product per leading index.
+
+    SPU runs a batched matmul as a loop over the batch, one round of messages per index. When
+    the block-diagonal spread of `a` ([L*m, L*n]: a product with a public 0/1 pattern, free
+    under MPC) is small, the product is instead one 2-D matmul of that spread with `b` stacked
+    as [L*n, p]: the same [L*m, p] result in one round."""
+    L, m, n = a.shape
+    p = b.shape[-1]
+    if L * m * L * n > BLOCK_DIAGONAL_MAX:
+        return jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))),
+                                   preferred_element_type=out_dtype)
+    eye = np.eye(L, dtype=np.int32)[:, None, :, None]                    # public
+    spread = (a.reshape(L, m, 1, n) * eye).reshape(L * m, L * n)
+    out = jax.lax.dot(spread, b.reshape(L * n, p), preferred_element_type=out_dtype)
+    return out.reshape(L, m, p)
 
 
 def gather_rows(onehot: jax.Array, x: jax.Array) -> jax.Array:
@@ -113,26 +131,17 @@ def gather_rows(onehot: jax.Array, x: jax.Array) -> jax.Array:
     The one-hot enters the matmul as integers (a float one-hot is turned into integers by one
     comparison of its [k, N] entries; an integer one-hot is used as it is): under MPC an
     integer x fixed-point product needs no truncation of the [k, D] result (1.5x less ABY3
-    communication, `python -m experiments.gather_dtype_bench`); values are exact.
-    With leading axes (heads) and a small one-hot, the gather is one 2-D matmul of the
-    block-diagonal one-hot [L*k, L*N] with the stacked rows [L*N, D]: SPU runs a batched
-    matmul as a loop over the batch, one round of messages per head, so this sends the same
-    [L*k, D] result in one round instead of L.
+    communication, `python -m experiments.gather_dtype_bench`); values are exact. Leading
+    axes (heads) go through `batched_matmul` (one round of messages when small).
     """
     lead = jnp.broadcast_shapes(onehot.shape[:-2], x.shape[:-2])
     if not jnp.issubdtype(onehot.dtype, jnp.integer):
         onehot = onehot > 0.5
     ints = jnp.broadcast_to(onehot, lead + onehot.shape[-2:]).astype(jnp.int32)
     rows = jnp.broadcast_to(x, lead + x.shape[-2:])
-    (k, N), D, L = ints.shape[-2:], rows.shape[-1], math.prod(lead)
-    if lead and L * k * L * N <= BLOCK_DIAGONAL_MAX:
-        eye = np.eye(L, dtype=np.int32)[:, None, :, None]                # public
-        blocks = (ints.reshape(L, k, 1, N) * eye).reshape(L * k, L * N)
-        out = jax.lax.dot(blocks, rows.reshape(L * N, D), preferred_element_type=x.dtype)
-        return out.reshape(lead + (k, D))
-    batch = tuple(range(len(lead)))
-    dims = (((len(lead) + 1,), (len(lead),)), (batch, batch))
-    return jax.lax.dot_general(ints, rows, dims, preferred_element_type=x.dtype)
+    (k, N), D = ints.shape[-2:], rows.shape[-1]
+    out = batched_matmul(ints.reshape(-1, k, N), rows.reshape(-1, N, D), x.dtype)
+    return out.reshape(lead + (k, D))
 
 
 def gather_clusters(onehot: jax.Array, x: jax.Array, cluster_size: int) -> jax.Array:
@@ -191,16 +200,9 @@ def update_bounds(r_max: jax.Array, r_min: jax.Array, k_new: jax.Array, slot, cl
 
 
 def rowwise_dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a: [L, d]; b: [L, C, d] -> [L, C], out[l, c] = a[l] . b[l, c].
-
-    When small, computed as one 2-D matmul of the block-diagonal [L, L*d] spread of `a` (a
-    product with a public 0/1 pattern, free under MPC) with `b` stacked as [L*d, C]: one round
-    of messages under SPU instead of one per row l (see `gather_rows`)."""
-    L, C, d = b.shape
-    if L * L * d * C > BLOCK_DIAGONAL_MAX:
-        return jnp.einsum("ld,lcd->lc", a, b)
-    spread = (a[:, None, :] * np.eye(L, dtype=np.int32)[:, :, None]).reshape(L, L * d)
-    return spread @ jnp.swapaxes(b, 1, 2).reshape(L * d, C)
+    """a: [L, d]; b: [L, C, d] -> [L, C], out[l, c] = a[l] . b[l, c] (via `batched_matmul`:
+    one round of messages under SPU when small, instead of one per row l)."""
+    return batched_matmul(a[:, None, :], jnp.swapaxes(b, 1, 2))[:, 0, :]
 
 
 def cluster_scores(q: jax.Array, r_max: jax.Array, r_min: jax.Array, mode: str = "alpha",
