@@ -267,11 +267,8 @@ def bench_gather(FLAGS, out_path):
     idx1 = np.sort(rng.choice(T, k1, replace=False)).astype(np.int32)
     idx2 = np.sort(rng.choice(C, k2, replace=False)).astype(np.int32)
 
-    # Each variant at its cheapest under ABY3: the large token-level one-hot [T/4, T] as fixed
-    # point (converting its equality bits to integers costs more than the output truncation
-    # saves: 65 vs 21 MB), the small cluster-level one as integers (P.gather_rows).
     def token_level(idx, K):
-        return P.indices_onehot(idx, T, K.dtype) @ K
+        return P.gather_rows(P.indices_onehot(idx, T, jnp.int32), K)
 
     def cluster_level(idx, K):
         return P.gather_clusters(P.indices_onehot(idx, C, jnp.int32), K, s)
