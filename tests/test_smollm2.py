@@ -6,6 +6,7 @@ test-time references only and are imported inside the fixtures.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import pathlib
@@ -228,9 +229,11 @@ def test_full_model_reload_comes_from_cache(smol, monkeypatch):
     assert smol.model.cfg == registry.SMOLLM2_135M
 
 
-def test_second_load_restores_from_cache(small_cache, monkeypatch):
+def test_second_load_restores_from_cache(small_cache, gguf_path, monkeypatch):
     root, first = small_cache
     assert not first.from_cache
+    manifest = json.loads((first.entry / "manifest.json").read_text())
+    assert manifest["gguf"]["sha256"] == smollm2.sha256_file(gguf_path) == smollm2.GGUF_SHA256
     _forbid_gguf(monkeypatch)
     second = smollm2.load_params(cache_dir=root, num_layers=2)
     print(f"\n2-layer conversion {first.seconds:.2f} s, cache restore {second.seconds:.2f} s")
@@ -280,6 +283,12 @@ def _manifest_with_wrong_shape(entry):
     (entry / "manifest.json").write_text(json.dumps(manifest))
 
 
+def _manifest_from_other_gguf(entry):
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["gguf"]["sha256"] = hashlib.sha256(b"another GGUF").hexdigest()
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+
+
 def _checkpoint_with_wrong_shape(entry):
     import orbax.checkpoint as ocp
 
@@ -291,7 +300,7 @@ def _checkpoint_with_wrong_shape(entry):
 
 @pytest.mark.parametrize("corrupt", [_delete_data_file, _truncate_data_file, _overwrite_bytes,
                                      _delete_manifest, _manifest_with_wrong_shape,
-                                     _checkpoint_with_wrong_shape],
+                                     _manifest_from_other_gguf, _checkpoint_with_wrong_shape],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_corrupt_checkpoint_is_detected_and_rebuilt(corrupt, small_cache, gguf_path, tmp_path,
                                                     caplog):
