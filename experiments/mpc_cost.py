@@ -62,12 +62,13 @@ def topk_method_for(FLAGS, protocol: str, candidates: int) -> str:
     return "rank" if candidates <= RANK_MAX_CANDIDATES.get(protocol, 64) else "lax"
 
 
-def build_policy(FLAGS, name: str, protocol: str, prompt_len: int):
-    """The registered policy with the benchmark's budget and per-protocol top-k method."""
+def build_policy(FLAGS, name: str, protocol: str, prompt_len: int, options: dict | None = None):
+    """The registered policy (with `options`, e.g. a --variants entry) with the benchmark's
+    budget and per-protocol top-k method."""
     budget = float(FLAGS.budgets[0]) if "." in FLAGS.budgets[0] else int(FLAGS.budgets[0])
     if name == ORACLE:
         return make_policy("streaming_llm", budget=budget, softmax=FLAGS.softmax), budget
-    policy = make_policy(name, budget=budget)
+    policy = make_policy(name, budget=budget, **(options or {}))
     fields = {f.name for f in dataclasses.fields(policy)}
     changes = {"softmax": FLAGS.softmax}
     if "share_from" in fields and FLAGS.mpc_share_from is not None:
@@ -82,13 +83,23 @@ def build_policy(FLAGS, name: str, protocol: str, prompt_len: int):
     return dataclasses.replace(policy, **changes), budget
 
 
+def costed_policies(FLAGS) -> list[tuple[str, str, dict]]:
+    """(label, registered name, options): --policies plus configured --variants."""
+    from experiments.accuracy import parse_variants
+    return [(label, name, options) for label, name, options in parse_variants(FLAGS)]
+
+
 def _record(FLAGS, bench, protocol, cfg, model_name, num_layers, policy_name, seq_len, cost,
             wall, extra=None):
     parties = cfg.parties if cfg else 1
+    # Every party's profile (mpc.cost_fields): comm_bytes = bytes sent summed over the parties,
+    # per-party bytes / actions / compute in party_* fields. Plaintext runs: zeros, same keys.
     fields = (mpc.cost_fields(cost, wall, parties) if cost is not None else
-              {"comm_bytes": 0, "messages": 0, "wall_s": round(wall, 4), "compute_s": wall,
+              {"comm_bytes": 0, "messages": 0, "party_send_bytes": [], "party_recv_bytes": [],
+               "party_send_actions": [], "party_compute_s": [], "party_attribution": "",
+               "wall_s": round(wall, 4), "compute_s": wall,
                "lan_latency_s": 0.0, "wan_latency_s": 0.0, "lan_total_s": wall,
-               "wan_total_s": wall, "phase_breakdown": {}})
+               "wan_total_s": wall, "phase_breakdown": {}, "ops": {}})
     rec = {"bench": bench, "policy": policy_name, "protocol": protocol,
            "parties": parties, "seq_len": seq_len, "model": model_name,
            "num_layers": num_layers, **fields, **(extra or {}),
@@ -150,9 +161,8 @@ def bench_decode(FLAGS, out_path):
             need_queries = True
             logits, dense, aux = model.prefill(params, list(prompt), model.init_cache(T + NEW_SLOTS),
                                                return_queries=need_queries)
-            for name in FLAGS.policies:
-                policy, budget = build_policy(FLAGS, name, protocol, T)
-                label = name
+            for label, name, options in costed_policies(FLAGS):
+                policy, budget = build_policy(FLAGS, name, protocol, T, options)
                 extra = {"scope": "decoder_layers", "budget": budget,
                          "topk_method": getattr(policy, "topk_method", None),
                          "share_from": getattr(policy, "share_from", None),
@@ -223,8 +233,9 @@ def print_decode_ratios(records) -> list[dict]:
     act = {r["protocol"]: r for r in records if r.get("scope") == "mlp_activation"}
     keys = sorted({(r["protocol"], r["seq_len"]) for r in rows})
     print("\nratios measured in this run (decoder layers of one decode step):")
-    print("(LAN = modelled network time: bytes / 377 MB/s + messages x 0.3 ms; the simulated "
-          "compute is reported per row above)")
+    print("(comm = bytes sent summed over the parties; LAN = modelled network time: comm / "
+          "parties / 377 MB/s + messages x 0.3 ms; the simulated compute is reported per row "
+          "above)")
     print(f"{'protocol':8s} {'T':>5s} {'policy':16s} {'comm MB':>9s} {'LAN s':>8s} "
           f"{'full/x comm':>11s} {'full/x LAN':>10s} {'lc/x comm':>9s} {'lc/x LAN':>8s} "
           f"{'x-oracle MB':>11s} {'x-oracle s':>10s}")

@@ -71,15 +71,14 @@ def test_profile_log_parser_and_network_model():
     assert run.ops["HLO"]["pphlo.dot"].count == 3
     assert run.ops["HLO"]["pphlo.custom_call: mhlo.topk"].send_bytes == 100
     assert (run.send_bytes, run.recv_bytes, run.send_actions) == (1500, 1350, 30)
-    phases = mpc.phase_breakdown(run)
-    assert phases["matmul"]["comm_bytes"] == 1900 and phases["exp"]["messages"] == 20
-    assert phases["compare"]["comm_bytes"] == 150
+    phases = mpc.phase_breakdown(run)   # bytes sent (one party's profile here)
+    assert phases["matmul"]["comm_bytes"] == 1000 and phases["exp"]["messages"] == 20
+    assert phases["compare"]["comm_bytes"] == 100
     # 377 MB over a 377 MB/s link is 1 s; 10 messages x 0.3 ms RTT; plus compute.
     assert mpc.LAN.latency(377_000_000, 10, compute_s=0.5) == pytest.approx(1.503)
-    fields = mpc.cost_fields(run, wall_s=0.7, parties=3)
-    assert fields["comm_bytes"] == 4500 and fields["messages"] == 30
-    assert fields["lan_latency_s"] == pytest.approx(1500 / 377e6 + 30 * 0.3e-3, abs=1e-5)
-    assert fields["wan_total_s"] == pytest.approx(0.5 + 1500 / 40e6 + 30 * 80e-3, abs=1e-4)
+    # One party's profile is not a run's cost (no estimate x parties): see test_mpc_accounting.
+    with pytest.raises(ValueError, match="needs every party's profile"):
+        mpc.cost_fields(run, wall_s=0.7, parties=3)
 
 
 # ----- numerics options ----------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECORD_FIELDS = ("policy", "protocol", "seq_len", "model", "comm_bytes", "messages", "wall_s",
-                 "lan_latency_s", "wan_latency_s", "phase_breakdown")
+                 "lan_latency_s", "wan_latency_s", "phase_breakdown", "party_send_bytes",
+                 "party_recv_bytes", "party_send_actions", "party_compute_s")
 
 
 def run_cli(*flags, timeout=600):
@@ -33,10 +34,14 @@ def test_decode_costs_rank_policies_as_expected(tmp_path):
     # Recomputing 129 tokens costs more than attending to 128 cached ones; attending to 32 of
     # them with a free public choice costs least; MPCache pays for its selection on top.
     assert comm["no_cache"] > comm["full"] > comm["mpcache"] > comm["oracle"]
-    # Network model: bytes / 377 MB/s + messages x 0.3 ms, from party 0's traffic.
+    # Every party profiled: comm_bytes = sent summed over the 3 parties = received; network
+    # model: bytes per party / 377 MB/s + messages x 0.3 ms.
+    for r in records:
+        assert len(r["party_send_bytes"]) == 3 and "party0_send_bytes" not in r
+        assert sum(r["party_send_bytes"]) == r["comm_bytes"] == sum(r["party_recv_bytes"])
     r = by_policy["full"]
     assert r["lan_latency_s"] == pytest.approx(
-        r["party0_send_bytes"] / 377e6 + r["messages"] * 0.3e-3, abs=1e-4)
+        r["comm_bytes"] / 3 / 377e6 + r["messages"] * 0.3e-3, abs=1e-4)
     ratios = [json.loads(line) for line in (tmp_path / "ratios.jsonl").read_text().splitlines()]
     mp = next(x for x in ratios if x["policy"] == "mpcache")
     assert mp["full_over_x_comm"] == pytest.approx(comm["full"] / comm["mpcache"])

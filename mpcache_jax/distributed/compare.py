@@ -3,8 +3,8 @@
     records = compare_backends("experiments/nodes/3pc_aby3.json", ["full", "mpcache"], out)
 
 For each policy the node config's job runs (1) in SPU's in-process simulator (issue 5's
-`spu_sim` backend, party 0 profiled) and (2) as real parties over loopback brpc
-(`run_loopback`, every party profiled). Both records share the simulation benchmarks' schema;
+`spu_sim` backend) and (2) as real parties over loopback brpc
+(`run_loopback`); every party is profiled in both. Both records share the simulation benchmarks' schema;
 `backend` tells them apart. Records are appended to `output_dir/results.jsonl`.
 """
 from __future__ import annotations

@@ -9,9 +9,10 @@ Both expose the same four calls, so the model/policy code path is shared:
     values = backend.reveal(outputs)                           # reconstruct (to the output owner)
 
 `visibility` has the structure of the argument pytree (a prefix is enough: one flag for a
-whole subtree). `run` returns a `RunCost` (parsed from SPU's profiling log of party 0) or None
-for XLA. Shared values of one backend can be fed to any of its programs: the KV cache and the
-weights stay secret-shared from step to step; only what the caller reveals is reconstructed.
+whole subtree). `run` returns a `RunCost` of the whole run (every party's SPU profile,
+combined: bytes summed over the parties, each party's own in `cost.parties`) or None for XLA.
+Shared values of one backend can be fed to any of its programs: the KV cache and the weights
+stay secret-shared from step to step; only what the caller reveals is reconstructed.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import jax
 import numpy as np
 
 from mpcache_jax.mpc.config import MPCConfig
-from mpcache_jax.mpc.costs import RunCost, read_last_profile
+from mpcache_jax.mpc.costs import RunCost, party_executable_name, read_run_profiles
 
 SECRET = "secret"
 PUBLIC = "public"
@@ -96,7 +97,8 @@ class Shared:
 
 class _Parties:
     """One long-lived thread per party, each with its SPU runtime and link: values set once
-    (weights, the KV cache) stay in the runtimes across programs, as in a deployment."""
+    (weights, the KV cache) stay in the runtimes across programs, as in a deployment. Every
+    party's runtime gets the same config (so every party profiles its runs when asked)."""
 
     def __init__(self, libspu, spu_api, world: int, rt_config):
         self.world = world
@@ -108,11 +110,7 @@ class _Parties:
 
         def serve(rank):
             link = libspu.link.create_mem(desc, rank)
-            cfg = libspu.RuntimeConfig(rt_config)
-            if rank != 0:
-                cfg.enable_pphlo_profile = False
-                cfg.enable_hal_profile = False
-            rt = spu_api.Runtime(link, cfg)
+            rt = spu_api.Runtime(link, libspu.RuntimeConfig(rt_config))
             while True:
                 job = self.queues[rank].get()
                 if job is None:
@@ -179,8 +177,10 @@ class SpuSimBackend:
     """SPU's protocols with all parties as threads of this process (in-memory links).
 
     Each party keeps one runtime for the backend's lifetime; shared values live in the
-    runtimes (Shared handles). The runtime of party 0 profiles every run; its log lines go to
-    one file per process (set up on first use) and are parsed after each run into a RunCost."""
+    runtimes (Shared handles). Every party's runtime profiles every run (party r runs the
+    program as an executable named `NAME.r{r}`, so its profile says whose it is); the log lines
+    go to one file per process (set up on first use) and are parsed after each run into one
+    RunCost per party, combined into the run's (`costs.read_run_profiles`)."""
 
     name = "spu_sim"
     _log_lock = threading.Lock()
@@ -300,13 +300,15 @@ class SpuSimBackend:
                 raise ValueError(f"input {i} of {program.name} was shared as {x.visibility} but "
                                  f"the program was compiled for {v}")
         outs = [self._handle(None, None, vis) for vis in program.out_visibility]
-        ex = self.libspu.Executable(name=program.name, input_names=[x.name for x in leaves],
-                                    output_names=[o.name for o in outs],
-                                    code=program.executable.code)
+        exes = [self.libspu.Executable(name=party_executable_name(program.name, rank),
+                                       input_names=[x.name for x in leaves],
+                                       output_names=[o.name for o in outs],
+                                       code=program.executable.code)
+                for rank in range(self.world)]
         with self._log_lock:
             offset = self._log_size()
             start = time.perf_counter()
-            self.parties.call(lambda rank, rt: rt.run(ex))
+            self.parties.call(lambda rank, rt: rt.run(exes[rank]))
             wall = time.perf_counter() - start
             cost = self._read_cost(offset) if self.profile else None
         return jax.tree_util.tree_unflatten(program.out_tree, outs), cost, wall
@@ -316,7 +318,7 @@ class SpuSimBackend:
         return os.path.getsize(path) if path and os.path.exists(path) else 0
 
     def _read_cost(self, offset: int) -> RunCost:
-        return read_last_profile(self._log_path, offset, timeout_s=5.0)
+        return read_run_profiles(self._log_path, offset, self.world, timeout_s=10.0)
 
 
 def output_visibility(ir: str) -> list[str]:
