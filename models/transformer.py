@@ -294,10 +294,13 @@ class DecoderLM(nn.Module):
         of the last position [1, D] (the no-KV-cache decode step of cost runs)."""
         return self._residual_stream(tokens)[-1:]
 
-    def prefill(self, tokens, cache, return_queries: bool, all_logits: bool):
+    def prefill(self, tokens, cache, return_queries: bool, all_logits: bool, length=None):
         """tokens: [T] (or one-hot [T, V]); cache: per-layer LayerKV of capacity >= T (empty).
+        length: int32 [] number of real tokens when `tokens` is a prompt padded at the end to a
+        bucket of T (causal attention: the padding never reaches them); default T.
 
-        Returns (logits [T, V] or [V], filled cache, per-layer queries [H, T, d] or None).
+        Returns (logits [T, V] or [V] (of token length - 1), filled cache, per-layer queries
+        [H, T, d] or None).
         """
         positions = jnp.arange(tokens.shape[0])
         x = self._embed(tokens, positions)
@@ -306,9 +309,10 @@ class DecoderLM(nn.Module):
             q, k, v = block.qkv(x, positions)
             out, _ = attention.causal_attention(q, k, v)
             x = block.finish(x, out)
-            new_cache.append(fill_prefix(layer, k, v))
+            new_cache.append(fill_prefix(layer, k, v, length))
             queries.append(q)
-        h = self.final_norm(x if all_logits else x[-1:])
+        last = x[-1:] if length is None else jax.lax.dynamic_slice_in_dim(x, length - 1, 1)
+        h = self.final_norm(x if all_logits else last)
         logits = self.lm_head(h)
         return (logits if all_logits else logits[0]), tuple(new_cache), (
             tuple(queries) if return_queries else None)

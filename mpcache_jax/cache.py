@@ -68,10 +68,12 @@ def append_token(layer: LayerKV, k_new: jax.Array, v_new: jax.Array) -> LayerKV:
     )
 
 
-def fill_prefix(layer: LayerKV, k: jax.Array, v: jax.Array) -> LayerKV:
-    """Store a prompt's keys/values ([H_kv, T, d]) in slots [0, T) of an empty layer."""
+def fill_prefix(layer: LayerKV, k: jax.Array, v: jax.Array, length=None) -> LayerKV:
+    """Store a prompt's keys/values ([H_kv, T, d]) in slots [0, T) of an empty layer.
+    length: tokens in use when the prompt is padded (a bucket; default T): the next token is
+    appended at slot `length`, over the padding."""
     T = k.shape[1]
     if T > layer.capacity:
         raise ValueError(f"prompt of {T} tokens does not fit a cache of capacity {layer.capacity}")
     return LayerKV(k=write_slots(layer.k, k, 0), v=write_slots(layer.v, v, 0),
-                   length=jnp.asarray(T, jnp.int32))
+                   length=jnp.asarray(T if length is None else length, jnp.int32))

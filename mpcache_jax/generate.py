@@ -62,6 +62,10 @@ def apply_policy(policy: AttentionPolicy, cache, aux: PrefillAux, max_new_tokens
     Decode steps donate their cache argument; a policy that keeps the dense cache as it is
     (`full`) gets a copy, so the prefill cache can serve further policies.
     """
+    if aux.length is not None:  # bucketed: the policy checks the real length here
+        check = getattr(policy, "check_prompt", None)
+        if check is not None:
+            check(int(aux.length))
     out = compress_cache(policy, cache, aux, max_new_tokens)
     in_leaves = {id(x) for x in jax.tree_util.tree_leaves(cache)}
     if any(id(x) in in_leaves for x in jax.tree_util.tree_leaves(out)):
@@ -69,15 +73,42 @@ def apply_policy(policy: AttentionPolicy, cache, aux: PrefillAux, max_new_tokens
     return out
 
 
+# Token id written into the padding of a bucketed prompt (never attended: causal attention
+# keeps it away from the real tokens, and decoding overwrites it).
+PAD_ID = 0
+
+
+def bucket_of(length: int, edges: Sequence[int]) -> tuple[int, int]:
+    """(smallest length, capacity) of the bucket holding a prompt of `length` tokens: the
+    first edge >= length; its smallest length is one more than the edge below."""
+    edges = sorted(set(int(e) for e in edges))
+    for i, edge in enumerate(edges):
+        if length <= edge:
+            return (edges[i - 1] + 1 if i else 1), edge
+    raise ValueError(f"a prompt of {length} tokens is longer than the largest bucket "
+                     f"({edges[-1]}); add a larger bucket edge")
+
+
 def prefill_prompt(model, params, prompt_ids: Sequence[int], max_new_tokens: int,
-                   return_queries: bool = False):
-    """Prefill into a dense cache with room for `max_new_tokens` more -> (logits, cache, aux)."""
+                   return_queries: bool = False, bucket: tuple[int, int] | None = None):
+    """Prefill into a dense cache with room for `max_new_tokens` more -> (logits, cache, aux).
+
+    bucket: (smallest length, capacity) to pad the prompt to `capacity` slots with its length
+    as a runtime value (one compilation of prefill, compress and decode per bucket; the
+    result equals the unpadded run's up to float rounding)."""
     T = len(prompt_ids)
-    if T + max_new_tokens > model.cfg.max_position:
-        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceed the model's "
-                         f"context of {model.cfg.max_position} positions")
-    cache = model.init_cache(T + max_new_tokens)
-    return model.prefill(params, list(prompt_ids), cache, return_queries=return_queries)
+    capacity = T if bucket is None else bucket[1]
+    if bucket is not None and not bucket[0] <= T <= capacity:
+        raise ValueError(f"a prompt of {T} tokens is outside its bucket [{bucket[0]}, {capacity}]")
+    if capacity + max_new_tokens > model.cfg.max_position:
+        raise ValueError(f"prompt ({capacity}) + max_new_tokens ({max_new_tokens}) exceed the "
+                         f"model's context of {model.cfg.max_position} positions")
+    cache = model.init_cache(capacity + max_new_tokens)
+    if bucket is None:
+        return model.prefill(params, list(prompt_ids), cache, return_queries=return_queries)
+    padded = list(prompt_ids) + [PAD_ID] * (capacity - T)
+    return model.prefill(params, padded, cache, return_queries=return_queries, length=T,
+                         min_length=bucket[0])
 
 
 def decode_tokens(model, params, logits, cache, *, policy: AttentionPolicy, start_pos: int,

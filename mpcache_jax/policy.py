@@ -28,11 +28,15 @@ class PrefillAux:
     """What prefill exposes to policies besides the dense cache.
 
     queries: per layer [H, T, d] post-RoPE prompt queries (None unless prefill was asked
-    for them); prompt_len: static T.
+    for them); prompt_len: static T, the number of prompt slots. Bucketed prompts (padded to
+    a bucket, `mpcache_jax.extent`): length = the int32 number of real tokens (a public
+    runtime value <= prompt_len), min_length = the smallest length the bucket holds.
     """
 
     queries: tuple[jax.Array, ...] | None
     prompt_len: int = flax.struct.field(pytree_node=False)
+    length: jax.Array | None = None
+    min_length: int = flax.struct.field(pytree_node=False, default=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,8 +29,9 @@ def _adjust(scores, valid, forced):
     return scores
 
 
-def topk_mask(scores: jax.Array, k: int, *, valid: jax.Array | None = None,
-              forced: jax.Array | None = None, method: str = "lax", dtype=None) -> jax.Array:
+def topk_mask(scores: jax.Array, k, *, valid: jax.Array | None = None,
+              forced: jax.Array | None = None, method: str = "lax", dtype=None,
+              k_max: int | None = None) -> jax.Array:
     """0/1 mask with exactly k ones per row marking the k largest scores.
 
     scores: [..., N]; valid, forced: 0/1 broadcastable to scores (forced entries are taken
@@ -40,15 +41,27 @@ def topk_mask(scores: jax.Array, k: int, *, valid: jax.Array | None = None,
     batch of N(N-1)/2 comparisons, one per pair i < j (the pair's other order is its
     complement), for all rows at once (no sorting network); keep rank < k. The ranks are
     counted in integers: under MPC, adding up comparison bits needs no fixed-point truncation.
+    k: a Python int, or an int32 scalar known at run time (bucketed prompts,
+    `mpcache_jax.extent`) with a static upper bound `k_max`; "lax" then keeps the first k of
+    lax.top_k's k_max sorted indices (XLA sorts them; SPU's top_k returns an unordered set, so
+    secure programs use static k).
     Returns [..., N] of `dtype` (default: the scores' dtype).
     """
     N = scores.shape[-1]
-    if not 0 < k <= N:
-        raise ValueError(f"top-k needs 0 < k <= {N}, got k={k}")
     if method not in TOPK_METHODS:
         raise ValueError(f"unknown top-k method {method!r}; use one of {TOPK_METHODS}")
     dtype = scores.dtype if dtype is None else dtype
     s = _adjust(scores, valid, forced)
+    if not isinstance(k, (int, np.integer)):
+        if k_max is None or not 0 < k_max <= N:
+            raise ValueError(f"a runtime k needs a static bound 0 < k_max <= {N}, got {k_max}")
+        if method == "lax":
+            _, idx = jax.lax.top_k(s, k_max)
+            first = (jnp.arange(k_max) < k).astype(dtype)[:, None]
+            return jnp.sum(indices_onehot(idx, N, dtype) * first, axis=-2)
+        return (_pairwise_rank(s) < k).astype(dtype)
+    if not 0 < k <= N:
+        raise ValueError(f"top-k needs 0 < k <= {N}, got k={k}")
     if k == N:
         return jnp.ones(s.shape, dtype)
     if method == "lax":
@@ -89,6 +102,8 @@ def indices_onehot(idx: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
 
 def mask_onehot(mask: jax.Array, k: int) -> jax.Array:
     """Selection mask with exactly k ones -> [..., k, N] one-hot matrix, rows in index order.
+    (A mask with fewer ones gives all-zero rows after the last one: how a runtime count is
+    held in a static number of rows.)
 
     The r-th selected entry is where the prefix count first exceeds r: with
     reached[r, n] = cumsum(mask)[n] > r (0 then 1 along n), onehot[r] = reached[r] minus
@@ -286,14 +301,13 @@ def nearest_centroid(x: jax.Array, centroids: jax.Array) -> jax.Array:
     return jnp.argmin(dist, axis=-1).astype(jnp.int32)
 
 
-def _kmeans(x: jax.Array, num_centroids: int, iters: int) -> tuple[jax.Array, jax.Array]:
-    N = x.shape[-2]
-    # Deterministic, public initialisation: evenly spaced rows (repeats when N < K).
-    init_rows = np.floor(np.arange(num_centroids) * N / num_centroids).astype(np.int32)
-    centroids = x[..., init_rows, :]
+def _lloyd(x: jax.Array, centroids: jax.Array, weights, iters: int):
+    K = centroids.shape[-2]
 
     def step(centroids, _):
-        assign = indices_onehot(nearest_centroid(x, centroids), num_centroids, x.dtype)  # [..., N, K]
+        assign = indices_onehot(nearest_centroid(x, centroids), K, x.dtype)             # [..., N, K]
+        if weights is not None:
+            assign = assign * weights[:, None]
         count = jnp.sum(assign, axis=-2)[..., None]                                      # [..., K, 1]
         total = jnp.einsum("...nk,...nd->...kd", assign, x)
         # An empty cluster keeps its centroid.
@@ -303,10 +317,30 @@ def _kmeans(x: jax.Array, num_centroids: int, iters: int) -> tuple[jax.Array, ja
     return centroids, nearest_centroid(x, centroids)
 
 
+def _kmeans(x: jax.Array, num_centroids: int, iters: int, count: int | None = None
+            ) -> tuple[jax.Array, jax.Array]:
+    N = x.shape[-2] if count is None else count
+    # Deterministic, public initialisation: evenly spaced rows (repeats when N < K).
+    init_rows = np.floor(np.arange(num_centroids) * N / num_centroids).astype(np.int32)
+    weights = None if count is None or count == x.shape[-2] else \
+        (np.arange(x.shape[-2]) < count).astype(np.float32)
+    return _lloyd(x, x[..., init_rows, :], weights, iters)
+
+
+def _kmeans_runtime_count(x: jax.Array, count: jax.Array, num_centroids: int, iters: int):
+    init_rows = jnp.floor(jnp.arange(num_centroids) * count / num_centroids).astype(jnp.int32)
+    weights = (jnp.arange(x.shape[-2]) < count).astype(x.dtype)
+    return _lloyd(x, jnp.take(x, init_rows, axis=-2), weights, iters)
+
+
 # Jitted once per (shapes, K, iters); inside another jit (a policy's compress) it is inlined.
-kmeans = jax.jit(_kmeans, static_argnames=("num_centroids", "iters"))
+kmeans = jax.jit(_kmeans, static_argnames=("num_centroids", "iters", "count"))
+kmeans_runtime_count = jax.jit(_kmeans_runtime_count, static_argnames=("num_centroids", "iters"))
+kmeans_runtime_count.__doc__ = """`kmeans` of the first `count` rows (an int32 scalar known at
+run time: bucketed prompts); the other rows are left out and get arbitrary codes."""
 kmeans.__doc__ = """Lloyd's k-means as fixed-shape array code (batched over leading axes).
 
 x: [..., N, d]; num_centroids K; iters fixed iterations of one-hot assignment + matmul
-update. Returns (centroids [..., K, d], codes int32 [..., N] = nearest centroid of each row).
+update; count: only the first `count` rows are clustered (the rest is padding; default N).
+Returns (centroids [..., K, d], codes int32 [..., N] = nearest centroid of each row).
 """

@@ -15,6 +15,7 @@ from mpcache_jax.policies.pyramidkv import PyramidKV
 from mpcache_jax.policies.snapkv import SnapKV, max_pool_1d
 from mpcache_jax.policies.tova import TOVA
 from mpcache_jax.policy import PrefillAux
+from mpcache_jax.extent import Extent
 
 
 def dense_layer(k: np.ndarray, extra: int = 4) -> LayerKV:
@@ -61,7 +62,7 @@ def test_snapkv_keeps_pooled_neighbourhood_of_the_voted_token_and_the_window():
     q = np.zeros((2, T, d), np.float32)            # 2 query heads share the KV head (GQA)
     q[:, :, 0] = 1.0
     policy = SnapKV(budget=7, window=4, kernel=3)
-    scores, _ = policy.keep_scores(0, jnp.asarray(q), jnp.asarray(k), T, None)
+    scores, _ = policy.keep_scores(0, jnp.asarray(q), jnp.asarray(k), Extent(T, T), None)
     scores = np.asarray(scores)[0]
     assert scores[4] == scores[5] == scores[6] > 2 * scores[3]
     assert scores[15] < 0.1 * scores[5]   # the window's votes for itself do not leak into pooling

@@ -8,6 +8,7 @@ from mpcache_jax import primitives as P
 from mpcache_jax.generate import compress_cache
 from mpcache_jax.policies import POLICY_NAMES, MPCache, make_policy
 from mpcache_jax.policies.base import PrunedLayer
+from mpcache_jax.extent import Extent
 from models import registry
 from tests.decode_helpers import teacher_forced_logits
 
@@ -62,7 +63,7 @@ def test_static_eviction_keeps_most_attended_tokens():
     q = np.zeros((1, T, d), np.float32)
     q[0, -2:] = [1, 1, 0, 0]
     policy = MPCache(budget=3, static_keep=3, dynamic=False, static_window=0.2)
-    scores, _ = policy.keep_scores(0, jnp.asarray(q), jnp.asarray(k), T, None)
+    scores, _ = policy.keep_scores(0, jnp.asarray(q), jnp.asarray(k), Extent(T, T), None)
     keep = P.topk_mask(scores, 3)
     assert set(np.flatnonzero(np.asarray(keep)).tolist()) == {3, 7, 0}  # tie at 0 -> lowest index
 
@@ -79,8 +80,8 @@ def test_cluster_static_eviction_keeps_whole_clusters():
                      static_sinks=1, static_recent=1)
     count = policy.kept_count(T)
     assert count == 4 + 4 + 2              # two whole clusters and the partial last one
-    mask, _ = policy.keep_mask(0, jnp.asarray(q), jnp.asarray(k), T, count,
-                               policy.forced_keep(T, count), None)
+    mask, _ = policy.keep_mask(0, jnp.asarray(q), jnp.asarray(k), Extent(T, T), count, count,
+                               policy.forced_keep(Extent(T, T), count), None)
     assert set(np.flatnonzero(np.asarray(mask)).tolist()) == {0, 1, 2, 3, 8, 9, 10, 11, 16, 17}
 
 

@@ -213,7 +213,7 @@ def test_pqcache_scores_window_and_new_codes():
     policy = PQCache(budget=12, bits=2, subspaces=2, num_initial=2, local_ratio=0.25)
     state = _hand_state(policy, keys, steps=4)
     lay = policy.layout(40)
-    assert (lay.initial, lay.middle, lay.selected, policy.window(lay)) == (2, 38, 10, 3)
+    assert (lay.initial, lay.middle, lay.selected, policy.window_tokens(40)) == (2, 38, 10, 3)
     index = state.extras
     # Approximate score of token j = q . (PQ reconstruction of k_j).
     q = jnp.asarray(rng.randn(1, 4), jnp.float32)

@@ -15,6 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
 from mpcache_jax.policies.quest import PageSelectionPolicy
 
@@ -51,9 +52,12 @@ class ArkVale(PageSelectionPolicy):
         Hkv = k_mid.shape[0]
         zeros = jnp.zeros((Hkv, lay.num_pages), k_mid.dtype)
         table = PageTable(hi, lo, zeros, jnp.zeros((Hkv,), jnp.int32))
-        last = q[:, -1].reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])   # last prompt query
-        active = P.topk_mask(self.page_scores(last, table, lay), lay.selected,
-                             method=self.topk_method)
+        last = q[:, -1] if lay.static else jax.lax.dynamic_index_in_dim(
+            q, lay.extent.length - 1, axis=1, keepdims=False)
+        last = last.reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])        # last prompt query
+        valid = None if lay.static else E.iota_lt(lay.num_pages, lay.pages)
+        active = P.topk_mask(self.page_scores(last, table, lay), lay.selected, valid=valid,
+                             method=self.topk_method, k_max=lay.selected_max)
         return table.replace(active=active)
 
     def page_scores(self, qg, extras, lay):

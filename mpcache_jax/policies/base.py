@@ -4,10 +4,15 @@ Layout of a pruned layer: the kept prompt tokens in a static-size region (`k`, `
 followed by a region for the tokens generated after prefill (`new`, a dense LayerKV).
 Budget rule used by every policy: a decode step attends to at most `budget` prompt tokens
 plus every token generated since prefill.
+
+Prompt lengths are static ints or, for bucketed prompts, public runtime values: every count
+that depends on the prompt length T is written as a function of an int and evaluated through
+`mpcache_jax.extent.Extent` (`count` for the value, `bound` for static shapes).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -16,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpcache_jax import attention
+from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import LayerKV, append_token, empty_layer
 from mpcache_jax.policy import AttentionPolicy, PrefillAux
@@ -25,7 +31,9 @@ from mpcache_jax.policy import AttentionPolicy, PrefillAux
 class PrunedLayer:
     """k, v: [H_kv, S, d] kept prompt tokens (S static, padded); valid: [H_kv, S] 0/1;
     new: LayerKV [H_kv, max_new, d] of generated tokens; extras: policy-specific pytree;
-    prompt_len, kept: static prompt length T and number of kept prompt tokens."""
+    prompt_len, kept: static prompt slots T and number of kept prompt tokens (for a bucketed
+    prompt: the bucket's capacity and the largest kept count; `length` is then the int32
+    number of real prompt tokens and `low` the bucket's smallest length)."""
 
     k: jax.Array
     v: jax.Array
@@ -34,6 +42,14 @@ class PrunedLayer:
     extras: Any = None
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
     kept: int = flax.struct.field(pytree_node=False, default=0)
+    length: jax.Array | None = None
+    low: int = flax.struct.field(pytree_node=False, default=1)
+
+    def extent(self) -> E.Extent:
+        """The prompt's extent (static or runtime length)."""
+        if self.length is None:
+            return E.Extent(self.prompt_len, self.prompt_len)
+        return E.Extent(self.prompt_len, self.length, self.low)
 
 
 def validate_budget(budget) -> None:
@@ -43,31 +59,49 @@ def validate_budget(budget) -> None:
 
 
 def prompt_kv(layer: LayerKV, prompt_len: int) -> tuple[jax.Array, jax.Array]:
-    """The prompt's keys/values [H_kv, T, d] from a dense prefill cache."""
+    """The prompt's keys/values [H_kv, T, d] from a dense prefill cache (T prompt slots)."""
     return layer.k[:, :prompt_len], layer.v[:, :prompt_len]
 
 
-def window_attention_mass(q: jax.Array, k: jax.Array, window: int, reduce: str = "sum"
+def window_attention_mass(q: jax.Array, k: jax.Array, window, reduce: str = "sum",
+                          extent: E.Extent | None = None, window_max: int | None = None
                           ) -> jax.Array:
     """Attention the last `window` prompt queries give each key, summed (or maxed) over them.
 
-    q: [H, T, d]; k: [H_kv, T, d] -> [H_kv, G, T] (causal within the prompt).
+    q: [H, T, d]; k: [H_kv, T, d] -> [H_kv, G, T] (causal within the prompt). For a bucketed
+    prompt (`extent` with a runtime length) `window` is an int32 scalar <= window_max: the
+    window_max queries ending at the last real token are scored and the earlier ones masked.
     """
     T = k.shape[1]
-    logits = attention.grouped_scores(q[:, T - window:], k)          # [H_kv, G, W, T]
-    positions = np.arange(T - window, T)[:, None]
-    causal = (np.arange(T)[None, :] <= positions).astype(np.float32)
-    probs = attention.masked_softmax(logits, causal)
+    if extent is None or extent.static:
+        logits = attention.grouped_scores(q[:, T - window:], k)      # [H_kv, G, W, T]
+        positions = np.arange(T - window, T)[:, None]
+        causal = (np.arange(T)[None, :] <= positions).astype(np.float32)
+        probs = attention.masked_softmax(logits, causal)
+    else:
+        start = jnp.maximum(extent.length - window_max, 0)
+        rows = jax.lax.dynamic_slice_in_dim(q, start, window_max, axis=1)
+        positions = (start + jnp.arange(window_max))[:, None]
+        causal = jnp.arange(T)[None, :] <= positions
+        counted = (positions >= extent.length - window) & (positions < extent.length)
+        probs = attention.masked_softmax(attention.grouped_scores(rows, k), causal)
+        probs = probs * counted.astype(probs.dtype)
     return jnp.max(probs, axis=2) if reduce == "max" else jnp.sum(probs, axis=2)
 
 
-def keep_by_mask(k: jax.Array, v: jax.Array, keep: jax.Array, count: int, capacity: int):
+def keep_by_mask(k: jax.Array, v: jax.Array, keep: jax.Array, count, capacity: int):
     """Compact the kept tokens (in prompt order) into a region of `capacity` >= count slots.
 
-    k, v: [H_kv, T, d]; keep: [T] or [H_kv, T] 0/1 with exactly `count` ones.
+    k, v: [H_kv, T, d]; keep: [T] or [H_kv, T] 0/1 with exactly `count` ones (count: an int,
+    or an int32 scalar <= capacity for a bucketed prompt).
     Returns (k [H_kv, capacity, d], v, valid [H_kv, capacity]).
     """
     Hkv, T, d = k.shape
+    if not isinstance(count, (int, np.integer)):
+        onehot = P.mask_onehot(jnp.broadcast_to(keep, (Hkv, T)).astype(k.dtype), capacity)
+        valid = E.iota_lt(capacity, count).astype(k.dtype)
+        return (P.gather_rows(onehot, k), P.gather_rows(onehot, v),
+                jnp.broadcast_to(valid, (Hkv, capacity)))
     if count == T:
         kept_k, kept_v = k, v
     else:
@@ -79,6 +113,11 @@ def keep_by_mask(k: jax.Array, v: jax.Array, keep: jax.Array, count: int, capaci
         kept_k = jnp.pad(kept_k, ((0, 0), (0, pad), (0, 0)))
         kept_v = jnp.pad(kept_v, ((0, 0), (0, pad), (0, 0)))
     return kept_k, kept_v, jnp.broadcast_to(jnp.asarray(valid, k.dtype), (Hkv, capacity))
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_counts(policy, num_layers: int, prompt_len: int) -> tuple[int, ...]:
+    return tuple(policy.kept_counts(num_layers, prompt_len))
 
 
 def new_region(like: LayerKV, max_new_tokens: int) -> LayerKV:
@@ -97,12 +136,15 @@ def attend_with_new(q, k_sel, v_sel, valid_sel, new: LayerKV, normalize: str = "
 
 
 def attend_selected(q, k, v, valid, new: LayerKV, onehot, cluster_size: int, start: int = 0,
-                    stop: int | None = None, normalize: str = "reciprocal") -> jax.Array:
+                    stop: int | None = None, normalize: str = "reciprocal",
+                    scores_all: jax.Array | None = None) -> jax.Array:
     """Attention over the clusters `onehot` picks from slots [start, stop) of a prompt region,
-    every other prompt slot, and all generated tokens. q: [H, d] -> [H, d].
+    every other prompt slot, and all generated tokens. q: [H, d] -> [H, d]. scores_all:
+    grouped_scores(q, [k; new.k]) when the caller has them already.
 
     k, v: [H_kv, S, d]; valid: [S] or [H_kv, S] (public); onehot: [H_kv, n, C] 0/1 over the
-    C = (stop - start) / cluster_size clusters (integer: no conversion under MPC).
+    C = (stop - start) / cluster_size clusters (integer: no conversion under MPC), or
+    [1, n, C]: one selection shared by every head.
     Equals gathering the picked keys/values (`gather_clusters`) and attending to them, but the
     one-hot multiplies the attention scores ([H_kv, G, S]) and scatters the probabilities back
     instead of moving keys and values ([H_kv, S, d]): under MPC a secret one-hot product costs
@@ -118,17 +160,30 @@ def attend_selected(q, k, v, valid, new: LayerKV, onehot, cluster_size: int, sta
     # One score matmul and one value matmul over prompt slots and generated tokens together.
     k_all = jnp.concatenate([k, new.k], axis=1)
     v_all = jnp.concatenate([v, new.v], axis=1)
-    scores_all = attention.grouped_scores(q, k_all)                        # [H_kv, G, S + N]
+    if scores_all is None:  # (a caller that selected with the scores passes them in)
+        scores_all = attention.grouped_scores(q, k_all)                    # [H_kv, G, S + N]
     scores = scores_all[..., :S]
     G = scores.shape[1]
 
+    # A one-hot shared by every head ([1, n, C]: one selection per layer) moves all heads'
+    # rows with one 2-D matmul; per-head one-hots go through a batched one.
+    shared = onehot.shape[0] == 1 and Hkv > 1
+
     def pick(x):   # [H_kv, g, C * s] -> [H_kv, g, n * s] (g = G, or 1 for the mask)
         g = x.shape[1]
+        if shared:
+            rows = x.reshape(Hkv, g, C, s).transpose(2, 0, 1, 3).reshape(C, Hkv * g * s)
+            out = P.gather_rows(onehot[0], rows)                            # [n, H_kv * g * s]
+            return out.reshape(n, Hkv, g, s).transpose(1, 2, 0, 3).reshape(Hkv, g, n * s)
         rows = x.reshape(Hkv, g, C, s).transpose(0, 2, 1, 3).reshape(Hkv, C, g * s)
         out = P.gather_rows(onehot, rows)                                   # [H_kv, n, g * s]
         return out.reshape(Hkv, n, g, s).transpose(0, 2, 1, 3).reshape(Hkv, g, n * s)
 
     def put_back(x):   # [H_kv, G, n * s] -> [H_kv, G, C * s], zeros where nothing was picked
+        if shared:
+            rows = x.reshape(Hkv, G, n, s).transpose(2, 0, 1, 3).reshape(n, Hkv * G * s)
+            out = P.gather_rows(jnp.swapaxes(onehot[0], -1, -2), rows)      # [C, H_kv * G * s]
+            return out.reshape(C, Hkv, G, s).transpose(1, 2, 0, 3).reshape(Hkv, G, C * s)
         rows = x.reshape(Hkv, G, n, s).transpose(0, 2, 1, 3).reshape(Hkv, n, G * s)
         out = P.gather_rows(jnp.swapaxes(onehot, -1, -2), rows)             # [H_kv, C, G * s]
         return out.reshape(Hkv, C, G, s).transpose(0, 2, 1, 3).reshape(Hkv, G, C * s)
@@ -167,20 +222,23 @@ class PromptEvictionPolicy(AttentionPolicy):
             raise ValueError(f"topk_method={self.topk_method!r}; use one of {P.TOPK_METHODS}")
 
     # --- what subclasses say ---------------------------------------------------------------
-    def keep_scores(self, layer: int, q, k, prompt_len: int, carry) -> tuple[jax.Array, Any]:
-        """Scores [T] or [H_kv, T] (higher = keep) for one layer's prompt tokens."""
+    def keep_scores(self, layer: int, q, k, extent: E.Extent, carry) -> tuple[jax.Array, Any]:
+        """Scores [T] or [H_kv, T] (higher = keep) for one layer's prompt slots (padding slots
+        of a bucketed prompt are never kept, whatever their score)."""
         raise NotImplementedError
 
-    def forced_keep(self, prompt_len: int, count: int) -> np.ndarray | None:
-        """Static [T] 0/1 mask of tokens always kept, or None."""
+    def forced_keep(self, extent: E.Extent, count) -> np.ndarray | jax.Array | None:
+        """[T] 0/1 mask of tokens always kept, or None."""
         return None
 
-    def keep_mask(self, layer: int, q, k, prompt_len: int, count: int, forced, carry
+    def keep_mask(self, layer: int, q, k, extent: E.Extent, count, bound: int, forced, carry
                   ) -> tuple[jax.Array, Any]:
-        """0/1 mask [T] or [H_kv, T] with exactly `count` ones: the top `keep_scores`
-        (forced tokens first). Override to select at another granularity."""
-        scores, carry = self.keep_scores(layer, q, k, prompt_len, carry)
-        return P.topk_mask(scores, count, forced=forced, method=self.topk_method), carry
+        """0/1 mask [T] or [H_kv, T] with exactly `count` ones (<= `bound`, static): the top
+        `keep_scores` (forced tokens first). Override to select at another granularity."""
+        scores, carry = self.keep_scores(layer, q, k, extent, carry)
+        valid = None if extent.static else extent.valid()
+        return P.topk_mask(scores, count, forced=forced, valid=valid, method=self.topk_method,
+                           k_max=bound), carry
 
     def compress_carry(self, cache, aux: PrefillAux) -> Any:
         """Initial carry of the per-layer keep_scores/keep_mask loop (None by default; a policy
@@ -195,6 +253,12 @@ class PromptEvictionPolicy(AttentionPolicy):
         """Prompt tokens kept by each layer (the same count everywhere unless overridden)."""
         return (self.kept_count(prompt_len),) * num_layers
 
+    def layer_count(self, extent: E.Extent, num_layers: int, layer: int):
+        """(count, static bound) of the prompt tokens `layer` keeps."""
+        fn = lambda t: _layer_counts(self, num_layers, t)[layer]
+        key = (self, "kept", num_layers, layer)
+        return extent.count(fn, key), extent.bound(fn, key)
+
     def region_capacity(self, prompt_len: int, count: int) -> int:
         """Slots of a layer's kept-token region holding `count` tokens (>= count)."""
         return count
@@ -202,25 +266,40 @@ class PromptEvictionPolicy(AttentionPolicy):
     def check_prompt(self, prompt_len: int) -> None:
         """Raise a clear error when this configuration cannot serve a prompt of this length."""
 
-    def compress(self, cache, aux: PrefillAux, max_new_tokens: int):
-        T = aux.prompt_len
-        self.check_prompt(T)
+    def prompt_keep(self, cache, aux: PrefillAux) -> list[tuple[jax.Array, Any, int]]:
+        """Static eviction of every layer: [(keep mask [T] or [H_kv, T] with `count` ones,
+        count, static bound of count)] (what `compress` keeps; also read by analysis tools)."""
+        extent = E.of(aux)
+        if extent.static:
+            self.check_prompt(extent.length)
         if self.needs_queries and aux.queries is None:
             raise ValueError(f"policy {self.name!r} scores tokens with the prompt queries: call "
                              "prefill(..., return_queries=True)")
         carry = self.compress_carry(cache, aux)
         out = []
-        for index, (layer, count) in enumerate(zip(cache, self.kept_counts(len(cache), T))):
-            k, v = prompt_kv(layer, T)
-            if count == T:
-                keep = jnp.ones((T,), k.dtype)
+        for index, layer in enumerate(cache):
+            count, bound = self.layer_count(extent, len(cache), index)
+            k, _ = prompt_kv(layer, extent.capacity)
+            if extent.static and count == extent.length:
+                keep = jnp.ones((extent.capacity,), k.dtype)
             else:
                 q = aux.queries[index] if aux.queries is not None else None
-                keep, carry = self.keep_mask(index, q, k, T, count, self.forced_keep(T, count),
-                                             carry)
-            kept_k, kept_v, valid = keep_by_mask(k, v, keep, count, self.region_capacity(T, count))
+                keep, carry = self.keep_mask(index, q, k, extent, count, bound,
+                                             self.forced_keep(extent, count), carry)
+            out.append((keep, count, bound))
+        return out
+
+    def compress(self, cache, aux: PrefillAux, max_new_tokens: int):
+        extent = E.of(aux)
+        length = None if extent.static else extent.length
+        out = []
+        for layer, (keep, count, bound) in zip(cache, self.prompt_keep(cache, aux)):
+            k, v = prompt_kv(layer, extent.capacity)
+            capacity = self.region_capacity(extent.capacity, bound)
+            kept_k, kept_v, valid = keep_by_mask(k, v, keep, count, capacity)
             out.append(PrunedLayer(kept_k, kept_v, valid, new_region(layer, max_new_tokens),
-                                   self.layer_extras(kept_k, valid), prompt_len=T, kept=count))
+                                   self.layer_extras(kept_k, valid), prompt_len=extent.capacity,
+                                   kept=bound, length=length, low=extent.low))
         return tuple(out)
 
     def layer_extras(self, kept_k, valid) -> Any:
@@ -235,6 +314,11 @@ class PromptEvictionPolicy(AttentionPolicy):
         out = attend_with_new(q, state.k, state.v, state.valid, new, self.softmax)
         return out, state.replace(new=new), carry
 
+    def attended_slots(self, layer, q, state: PrunedLayer, carry) -> jax.Array:
+        """0/1 [H_kv, S]: the kept-region slots this decode step attends to (analysis; every
+        kept token for a prefill-only policy)."""
+        return (state.valid > 0.5).astype(jnp.int32)
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamingLLM(PromptEvictionPolicy):
@@ -243,13 +327,12 @@ class StreamingLLM(PromptEvictionPolicy):
     name: str = "streaming_llm"
     num_sinks: int = 4
 
-    def keep_scores(self, layer, q, k, prompt_len, carry):
-        return jnp.arange(prompt_len, dtype=k.dtype), carry  # public: most recent first
+    def keep_scores(self, layer, q, k, extent, carry):
+        return jnp.arange(extent.capacity, dtype=k.dtype), carry  # public: most recent first
 
-    def forced_keep(self, prompt_len, count):
-        forced = np.zeros(prompt_len, np.float32)
-        forced[: min(self.num_sinks, count)] = 1.0
-        return forced
+    def forced_keep(self, extent, count):
+        return E.iota_lt(extent.capacity, jnp.minimum(self.num_sinks, count)
+                         if not extent.static else min(self.num_sinks, count))
 
 
 # --- decode-time eviction (H2O, TOVA) ------------------------------------------------------
@@ -270,6 +353,17 @@ class EvictingLayer:
     pos: jax.Array
     seen: jax.Array
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
+    # Bucketed prompts: the int32 real prompt length, the bucket's smallest length, and
+    # usable [H_kv, S] 0/1 (the slots a prompt of this length may fill: the buffer is sized
+    # for the bucket's longest prompt).
+    length: jax.Array | None = None
+    low: int = flax.struct.field(pytree_node=False, default=1)
+    usable: jax.Array | None = None
+
+    def extent(self) -> E.Extent:
+        if self.length is None:
+            return E.Extent(self.prompt_len, self.prompt_len)
+        return E.Extent(self.prompt_len, self.length, self.low)
 
 
 def attention_with_probs(q, k, v, valid, normalize: str = "reciprocal"
@@ -327,42 +421,59 @@ class DecodeEvictionPolicy(PromptEvictionPolicy):
         new token's)."""
         return jnp.ones_like(pos)
 
-    def buffer_slots(self, prompt_len: int, max_new_tokens: int) -> int:
-        count = self.kept_count(prompt_len)
-        window = max_new_tokens
-        if self.decode_window is not None and count < prompt_len:
-            window = min(max_new_tokens, self.decode_window)
-        return count + window
+    def buffer_window(self, extent: E.Extent, max_new_tokens: int) -> int:
+        """Slots for generated tokens beyond the kept prompt tokens (static)."""
+        if self.decode_window is None:
+            return max_new_tokens
+        lengths = ([extent.length] if extent.static else
+                   range(extent.low, extent.capacity + 1))
+        prunes = {self.kept_count(t) < t for t in lengths}
+        if len(prunes) > 1:
+            raise ValueError(f"policy {self.name!r}: the bucket [{extent.low}, {extent.capacity}] "
+                             "holds prompts that the budget covers whole and prompts it prunes; "
+                             "use narrower buckets")
+        return min(max_new_tokens, self.decode_window) if prunes.pop() else max_new_tokens
 
     def compress(self, cache, aux: PrefillAux, max_new_tokens: int):
-        T = aux.prompt_len
+        extent = E.of(aux)
         if self.needs_queries and aux.queries is None:
             raise ValueError(f"policy {self.name!r} scores tokens with the prompt queries: call "
                              "prefill(..., return_queries=True)")
-        count = self.kept_count(T)
-        slots = self.buffer_slots(T, max_new_tokens)
-        forced = self.forced_keep(T, count)
+        T = extent.capacity
+        key = (self, "kept")
+        count, bound = extent.count(self.kept_count, key), extent.bound(self.kept_count, key)
+        window = self.buffer_window(extent, max_new_tokens)
+        slots = bound + window
+        forced = self.forced_keep(extent, count)
+        prompt_valid = None if extent.static else extent.valid()
         carry = self.compress_carry(cache, aux)
         out = []
         for index, layer in enumerate(cache):
             k, v = prompt_kv(layer, T)
             Hkv = k.shape[0]
             q = aux.queries[index] if aux.queries is not None else None
-            scores, carry = self.keep_scores(index, q, k, T, carry)
+            scores, carry = self.keep_scores(index, q, k, extent, carry)
             scores = jnp.broadcast_to(scores, (Hkv, T))
-            keep = P.topk_mask(scores, count, forced=forced, method=self.topk_method)
-            onehot = P.mask_onehot(keep, count)                             # [H_kv, count, T]
+            keep = P.topk_mask(scores, count, forced=forced, valid=prompt_valid,
+                               method=self.topk_method, k_max=bound)
+            onehot = P.mask_onehot(keep, bound)                             # [H_kv, bound, T]
             positions = jnp.broadcast_to(jnp.arange(T, dtype=k.dtype), (Hkv, T))
             stats = jnp.stack([scores, positions], axis=-1)                 # [H_kv, T, 2]
             kept_k, kept_v, kept_stats = (P.gather_rows(onehot, x) for x in (k, v, stats))
-            pad = slots - count
+            pad = slots - bound
             pad3 = ((0, 0), (0, pad), (0, 0))
-            valid = jnp.pad(jnp.ones((Hkv, count), k.dtype), ((0, 0), (0, pad)))
+            valid = jnp.pad(jnp.broadcast_to(E.iota_lt(bound, count), (Hkv, bound)).astype(k.dtype),
+                            ((0, 0), (0, pad)))
+            pos = jnp.pad(kept_stats[..., 1], ((0, 0), (0, pad)), constant_values=-1.0)
+            usable = None
+            if not extent.static:
+                pos = pos * valid - (1.0 - valid)       # empty slots at -1
+                usable = jnp.broadcast_to(E.iota_lt(slots, count + window), (Hkv, slots))
             out.append(EvictingLayer(
                 jnp.pad(kept_k, pad3), jnp.pad(kept_v, pad3), valid,
-                jnp.pad(kept_stats[..., 0], ((0, 0), (0, pad))),
-                jnp.pad(kept_stats[..., 1], ((0, 0), (0, pad)), constant_values=-1.0),
-                jnp.asarray(T, jnp.int32), prompt_len=T))
+                jnp.pad(kept_stats[..., 0], ((0, 0), (0, pad))), pos,
+                jnp.asarray(extent.length, jnp.int32), prompt_len=T,
+                length=None if extent.static else extent.length, low=extent.low, usable=usable))
         return tuple(out)
 
     def free_slots(self, cache) -> int:
@@ -379,8 +490,9 @@ class DecodeEvictionPolicy(PromptEvictionPolicy):
         position = state.seen.astype(dtype)
         score_all = self.step_scores(jnp.concatenate([state.score, 0.0 * ones], axis=1), probs)
         pos_all = jnp.concatenate([state.pos, position * ones], axis=1)
-        free = jnp.concatenate([1.0 - state.valid, 0.0 * ones], axis=1)
-        budget = P.budget_tokens(self.budget, state.prompt_len)
+        empty = 1.0 - state.valid if state.usable is None else (1.0 - state.valid) * state.usable
+        free = jnp.concatenate([empty, 0.0 * ones], axis=1)
+        budget = state.extent().count(self.kept_count, (self, "kept"))
         candidates = jnp.maximum(self.evictable(pos_all, position, budget) * valid_all, free)
         # The dropped token: an empty slot if any (the new token fills it), else the lowest score.
         drop = P.topk_mask(-score_all, 1, valid=candidates, forced=free, method=self.topk_method)
@@ -416,16 +528,19 @@ class LayerBudgetPolicy(PromptEvictionPolicy):
         return count
 
 
-def causal_attention_mass(q: jax.Array, k: jax.Array, chunk: int = 128) -> jax.Array:
+def causal_attention_mass(q: jax.Array, k: jax.Array, chunk: int = 128, length=None
+                          ) -> jax.Array:
     """Attention every prompt query gives each key, summed over the queries (causal): the
     same as window_attention_mass(q, k, T) without a [T, T] mask or score matrix.
 
     q: [H, T, d]; k: [H_kv, T, d] -> [H_kv, G, T]. Queries go through a scan in chunks of
     `chunk` rows (the causal mask of a chunk is an iota comparison, so nothing T x T is
-    materialized or constant-folded).
+    materialized or constant-folded). length: real prompt tokens of a bucketed prompt (the
+    queries of padding slots are left out); default T.
     """
     H, T, d = q.shape
     Hkv = k.shape[0]
+    real = T if length is None else length
     chunk = min(chunk, T)
     n = -(-T // chunk)
     q = jnp.pad(q, ((0, 0), (0, n * chunk - T), (0, 0)))
@@ -434,7 +549,7 @@ def causal_attention_mass(q: jax.Array, k: jax.Array, chunk: int = 128) -> jax.A
     def body(total, start):
         rows = jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1)          # [H, c, d]
         positions = start + jnp.arange(chunk)
-        valid = (keys[None, :] <= positions[:, None]) & (positions[:, None] < T)
+        valid = (keys[None, :] <= positions[:, None]) & (positions[:, None] < real)
         probs = attention.masked_softmax(attention.grouped_scores(rows, k), valid)
         return total + jnp.sum(probs, axis=2), None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 
 from mpcache_jax.policies.base import DecodeEvictionPolicy, causal_attention_mass
 
@@ -27,13 +26,12 @@ class H2O(DecodeEvictionPolicy):
     def recent_count(budget: int) -> int:
         return budget - budget // 2
 
-    def keep_scores(self, layer, q, k, prompt_len, carry):
-        return jnp.sum(causal_attention_mass(q, k), axis=1), carry   # [H_kv, T]
+    def keep_scores(self, layer, q, k, extent, carry):
+        length = None if extent.static else extent.length
+        return jnp.sum(causal_attention_mass(q, k, length=length), axis=1), carry   # [H_kv, T]
 
-    def forced_keep(self, prompt_len, count):
-        forced = np.zeros(prompt_len, np.float32)
-        forced[prompt_len - self.recent_count(count):] = 1.0
-        return forced
+    def forced_keep(self, extent, count):
+        return extent.last_tokens(self.recent_count(count))
 
     def step_scores(self, previous, probs):
         return previous + jnp.sum(probs, axis=1)

@@ -81,8 +81,8 @@ class InfLLM(PageSelectionPolicy):
                              f"{self.page_size}]")
 
     def digest(self, layer, k_mid, valid_mid, q, k_prompt, lay, new_capacity):
-        i0, pad = lay.initial, lay.padded - lay.middle
-        q_mid = jnp.pad(q[:, i0:i0 + lay.middle], ((0, 0), (0, pad), (0, 0)))
+        i0 = lay.initial
+        q_mid = self.arrange(q, lay)[:, i0:i0 + lay.padded]
         k_upto = jnp.concatenate([k_prompt[:, :i0], k_mid], axis=1)    # keys up to the region's end
         received = attention_received(q_mid, k_upto, i0, lay.page_size, valid_mid)
         reps = representative_mask(received, self.representatives, valid_mid)

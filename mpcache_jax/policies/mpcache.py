@@ -18,12 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpcache_jax import attention
+from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import append_token
 from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_selected,
                                        attend_with_new, window_attention_mass)
 
-SIMILARITIES = ("alpha", "mp", "avg")
+SIMILARITIES = ("alpha", "mp", "avg", "exact", "hybrid")
 STATIC_SCOPES = ("layer", "head", "model")
 
 
@@ -66,6 +68,10 @@ class MPCache(PromptEvictionPolicy):
     levels: tuple = ((32, 0.5), (16, None))
     similarity: str = "alpha"
     alpha: float = 0.6
+    key_norm: bool = False
+    query_norm: bool = False
+    select_scope: str = "head"
+    head_reduce: str = "sum"
     share_group: int = 2
     share_from: int = 2
     share_static: bool = True
@@ -193,74 +199,99 @@ class MPCache(PromptEvictionPolicy):
             self.level_counts(self.kept_count(prompt_len), P.budget_tokens(self.budget, prompt_len))
 
     # --- static eviction -------------------------------------------------------------------
-    def _vote(self, q, k, prompt_len):
+    def vote_window(self, prompt_len: int) -> int:
+        return min(prompt_len, P.budget_tokens(self.static_window, prompt_len))
+
+    def _vote(self, q, k, extent: E.Extent):
         """Attention mass [H_kv, T] the voting window gives each prompt token."""
-        window = min(prompt_len, P.budget_tokens(self.static_window, prompt_len))
-        return jnp.sum(window_attention_mass(q, k, window, self.static_reduce), axis=1)
+        key = (self, "vote_window")
+        return jnp.sum(window_attention_mass(
+            q, k, extent.count(self.vote_window, key), self.static_reduce, extent=extent,
+            window_max=extent.bound(self.vote_window, key)), axis=1)
 
     def compress_carry(self, cache, aux):
         if not self.static or self.static_scope != "model":
             return None
-        T = aux.prompt_len
-        if aux.queries is None or self.kept_count(T) == T:
+        extent = E.of(aux)
+        T = extent.capacity
+        if aux.queries is None or (extent.static and self.kept_count(T) == T):
             return None
-        return sum(jnp.sum(self._vote(q, layer.k[:, :T], T), axis=0)
+        return sum(jnp.sum(self._vote(q, layer.k[:, :T], extent), axis=0)
                    for q, layer in zip(aux.queries, cache))
 
-    def keep_scores(self, layer, q, k, prompt_len, carry):
+    def keep_scores(self, layer, q, k, extent, carry):
         if self.static_scope == "model":
             return carry, carry
         if self.share_static and not self.selects(layer) and carry is not None:
             return carry, carry
-        mass = self._vote(q, k, prompt_len)
+        mass = self._vote(q, k, extent)
         scores = mass if self.static_scope == "head" else jnp.sum(mass, axis=0)
         return scores, scores
 
-    def forced_keep(self, prompt_len, count):
+    def forced_keep(self, extent, count):
         """The first `static_sinks` and last `static_recent` prompt tokens always survive
         static eviction (the static counterpart of the always-selected first/last clusters)."""
-        forced = np.zeros(prompt_len, np.float32)
-        sinks = min(self.static_sinks, count)
-        recent = min(self.static_recent, count - sinks)
-        forced[:sinks] = 1.0
-        if recent:
-            forced[prompt_len - recent:] = 1.0
-        return forced
+        lo = jnp.minimum if not extent.static else min
+        sinks = lo(self.static_sinks, count)
+        recent = lo(self.static_recent, count - sinks)
+        return E.union(E.iota_lt(extent.capacity, sinks), extent.last_tokens(recent))
+
+    def keep_mask(self, layer, q, k, extent, count, bound, forced, carry):
+        """Token-level top-k, or (static_cluster > 1) the top whole clusters by their strongest
+        token, expanded back to tokens with a public membership matmul."""
+        s = self.static_cluster
+        if s == 1:
+            return super().keep_mask(layer, q, k, extent, count, bound, forced, carry)
+        scores, carry = self.keep_scores(layer, q, k, extent, carry)
+        T = extent.capacity
+        C = math.ceil(T / s)
+        pad = [(0, 0)] * (scores.ndim - 1) + [(0, C * s - T)]
+        cluster_scores = jnp.max(jnp.pad(scores, pad).reshape(*scores.shape[:-1], C, s), axis=-1)
+        # (n - 1) full clusters + the partial last one; the clusters holding a forced token
+        # and the last (partial) cluster are always kept.
+        chosen_fn = lambda t: math.ceil(self.kept_count(t) / s)
+        last_fn = lambda t: math.ceil(t / s) - 1
+        n_clusters = extent.count(chosen_fn, (self, "static_clusters"))
+        last = extent.count(last_fn, (self, "last_cluster"))
+        if extent.static:
+            cluster_forced, valid = self._cluster_forced(T, count), None
+        else:
+            padded = jnp.pad(jnp.asarray(forced), (0, C * s - T))
+            cluster_forced = jnp.maximum(jnp.max(padded.reshape(C, s), axis=1), E.at(C, last))
+            valid = E.iota_lt(C, last + 1)
+        chosen = P.topk_mask(cluster_scores, n_clusters, forced=cluster_forced, valid=valid,
+                             method=self.topk_method,
+                             k_max=extent.bound(chosen_fn, (self, "static_clusters")))
+        membership = (np.arange(T)[None, :] // s == np.arange(C)[:, None])
+        keep = chosen @ jnp.asarray(membership, chosen.dtype)
+        return (keep if extent.static else keep * extent.valid()), carry
 
     def _cluster_forced(self, prompt_len: int, count: int) -> np.ndarray:
         """[C] 0/1: clusters holding a forced token, and always the last (partial) one."""
         s = self.static_cluster
         C = math.ceil(prompt_len / s)
-        forced = np.pad(self.forced_keep(prompt_len, count), (0, C * s - prompt_len))
+        forced = np.pad(self.forced_keep(E.Extent(prompt_len, prompt_len), count),
+                        (0, C * s - prompt_len))
         forced = forced.reshape(C, s).max(axis=1)
         forced[-1] = 1.0
         return forced
 
-    def keep_mask(self, layer, q, k, prompt_len, count, forced, carry):
-        """Token-level top-k, or (static_cluster > 1) the top whole clusters by their strongest
-        token, expanded back to tokens with a public membership matmul."""
-        s = self.static_cluster
-        if s == 1:
-            return super().keep_mask(layer, q, k, prompt_len, count, forced, carry)
-        scores, carry = self.keep_scores(layer, q, k, prompt_len, carry)
-        C = math.ceil(prompt_len / s)
-        pad = [(0, 0)] * (scores.ndim - 1) + [(0, C * s - prompt_len)]
-        cluster_scores = jnp.max(jnp.pad(scores, pad).reshape(*scores.shape[:-1], C, s), axis=-1)
-        n_clusters = math.ceil(count / s)          # (n - 1) full clusters + the partial last one
-        chosen = P.topk_mask(cluster_scores, n_clusters, forced=self._cluster_forced(prompt_len, count),
-                             method=self.topk_method)
-        membership = (np.arange(prompt_len)[None, :] // s == np.arange(C)[:, None])
-        return chosen @ jnp.asarray(membership, chosen.dtype), carry
-
     def layer_extras(self, kept_k, valid):
-        if not self.dynamic:
+        if not self.dynamic or self.similarity == "exact":
             return None
+        if self.similarity == "hybrid":
+            return self._digests(kept_k, valid, "alpha")
+        return self._digests(kept_k, valid, self.similarity)
+
+    def _digests(self, kept_k, valid, similarity):
+        if self.key_norm:
+            kept_k = P.unit_rows(kept_k)
         digests = []
         for s in self.sizes:
             r_max, r_min = P.cluster_bounds(kept_k, s, valid)
-            if self.similarity == "alpha":
+            if similarity == "alpha":
                 digests.append((self.alpha * r_max + (1.0 - self.alpha) * r_min,))
-            elif self.similarity == "mp":
+            elif similarity == "mp":
                 digests.append((r_max, r_min))
             else:
                 Hkv, S, d = kept_k.shape
@@ -271,38 +302,97 @@ class MPCache(PromptEvictionPolicy):
 
     # --- dynamic selection -----------------------------------------------------------------
     def _scores(self, qg, digest):
-        if self.similarity == "alpha":
+        if self.similarity in ("alpha", "hybrid"):
             return P.cluster_scores(qg, digest[0], digest[0], mode="alpha", alpha=1.0)
         if self.similarity == "mp":
             return P.cluster_scores(qg, digest[0], digest[1], mode="mp")
         return P.cluster_scores(qg, digest[0], digest[0], mode="avg", mean=digest[0])
 
-    def select(self, q, state: PrunedLayer) -> jax.Array:
+    @property
+    def scores_from_attention(self) -> bool:
+        """Exact cluster maxima from the attention scores the step computes anyway."""
+        return self.similarity in ("exact", "hybrid") and not (self.key_norm or self.query_norm)
+
+    def level_scores(self, qg, state: PrunedLayer, token: jax.Array | None = None):
+        """Per level, a function from candidate clusters (None: all of them; or a one-hot
+        [R, n, C_level] picking them) to their scores [R, n]; R = H_kv, or 1 when one
+        selection serves every head of the layer (`select_scope="layer"`, scores summed over
+        the heads).
+
+        "alpha"/"mp"/"avg": cluster digests; "exact": each cluster's best q . k (the quantity
+        the bounds approximate) from the kept keys; "hybrid": digests at the coarse levels and,
+        at the finest, the exact best q . k of the candidate clusters only."""
+        per_layer = self.select_scope == "layer"
+        Hkv, S, _ = state.k.shape
+        if self.query_norm:
+            qg = P.unit_rows(qg)
+
+        def digest_level(i):
+            def scores(child):
+                digest = state.extras[i]
+                if child is not None:
+                    child = jnp.broadcast_to(child, (Hkv,) + child.shape[1:])
+                    digest = tuple(P.gather_rows(child, part) for part in digest)
+                out = self._scores(qg, digest)
+                return jnp.sum(out, axis=0, keepdims=True) if per_layer else out
+            return scores
+        if self.similarity not in ("exact", "hybrid"):
+            return [digest_level(i) for i in range(len(self.sizes))]
+        if token is None:
+            keys = P.unit_rows(state.k) if self.key_norm else state.k
+            token = jnp.einsum("kgd,ksd->kgs", qg, keys)                      # [H_kv, G, S]
+        if per_layer and self.head_reduce == "max":
+            token = jnp.max(token.reshape(1, -1, S), axis=1)
+        else:
+            token = jnp.sum(token, axis=1)
+            if per_layer:
+                token = jnp.sum(token, axis=0, keepdims=True)
+        valid = state.valid[:token.shape[0]]
+        token = token * valid - P.EMPTY_BOUND * (1.0 - valid)                # [R, S]
+        rows = token.shape[0]
+
+        def exact_level(i):
+            s = self.sizes[i]
+            clusters = token.reshape(rows, S // s, s)
+
+            def scores(child):
+                if child is None:
+                    return jnp.max(clusters, axis=-1)                          # [R, C]
+                return jnp.max(P.gather_rows(child, clusters), axis=-1)        # [R, n]
+            return scores
+        if self.similarity == "exact":
+            return [exact_level(i) for i in range(len(self.sizes))]
+        last = len(self.sizes) - 1
+        return [exact_level(i) if i == last else digest_level(i) for i in range(len(self.sizes))]
+
+    def select(self, q, state: PrunedLayer, token: jax.Array | None = None) -> jax.Array:
         """Hierarchical selection -> integer one-hot [H_kv, k, C] over the finest clusters (rows
         in cluster order). q: [H, d]. Masks, one-hots and their compositions across levels
         are integers built from comparisons: under MPC none of them needs a truncation."""
         Hkv, S, _ = state.k.shape
         qg = q.reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])
+        level_scores = self.level_scores(qg, state, token)
+        Hkv = 1 if self.select_scope == "layer" else Hkv   # rows that select
         sizes = self.sizes
-        kept = state.kept
-        counts = self.level_counts(kept, P.budget_tokens(self.budget, state.prompt_len))
-        valid = [math.ceil(kept / s) for s in sizes]
+        extent = state.extent()
+        counts, bounds, valid = self.selection_counts(extent)
         total = [S // s for s in sizes]
         dtype = jnp.int32
+        exact = extent.static   # static counts: the shortcuts below keep the program minimal
 
         # Level 0: every cluster of the kept region is a candidate.
         k0 = counts[0]
-        if k0 == valid[0]:
+        if exact and k0 == valid[0]:
             chosen = jnp.broadcast_to(jnp.eye(total[0], dtype=dtype)[:k0], (Hkv, k0, total[0]))
         else:
-            forced = np.zeros(total[0], np.float32)
-            forced[[0, valid[0] - 1]] = 1.0
-            cand_valid = (np.arange(total[0]) < valid[0]).astype(np.float32)
-            mask = P.topk_mask(self._scores(qg, state.extras[0]), k0, valid=cand_valid,
-                               forced=forced, method=self.topk_method, dtype=dtype)
-            chosen = P.mask_onehot(mask, k0)                               # [H_kv, k0, C0]
+            forced = E.union(E.at(total[0], 0), E.at(total[0], valid[0] - 1))
+            mask = P.topk_mask(level_scores[0](None), k0, valid=E.iota_lt(total[0], valid[0]),
+                               forced=forced, method=self.topk_method, dtype=dtype,
+                               k_max=bounds[0])
+            chosen = P.mask_onehot(mask, bounds[0])                        # [H_kv, k0, C0]
 
-        # Finer levels: candidates are the children of the clusters chosen one level up.
+        # Finer levels: candidates are the children of the clusters chosen one level up (rows
+        # past the chosen count are zero: their children are never valid candidates).
         for i in range(1, len(sizes)):
             r = sizes[i - 1] // sizes[i]
             prev = chosen.shape[1]
@@ -310,26 +400,66 @@ class MPCache(PromptEvictionPolicy):
                 Hkv, prev * r, total[i])
             n_cand = prev * r
             pad = r * valid[i - 1] - valid[i]        # empty children sit at the very end
-            cand_valid = (np.arange(n_cand) < n_cand - pad).astype(np.float32)
-            if counts[i] == n_cand - pad:
+            real = counts[i - 1] * r - pad           # candidates holding tokens
+            if exact and counts[i] == real:
                 local = jnp.eye(n_cand, dtype=dtype)[: counts[i]]
                 chosen = jnp.einsum("kn,hnc->hkc", local, child)
                 continue
-            forced = np.zeros(n_cand, np.float32)
-            forced[[0, n_cand - pad - 1]] = 1.0
-            digest = tuple(P.gather_rows(child, part) for part in state.extras[i])
-            mask = P.topk_mask(self._scores(qg, digest), counts[i], valid=cand_valid,
-                               forced=forced, method=self.topk_method, dtype=dtype)
-            chosen = P.gather_rows(P.mask_onehot(mask, counts[i]), child)   # [H_kv, k, C]
-        return chosen
+            forced = E.union(E.at(n_cand, 0), E.at(n_cand, real - 1))
+            mask = P.topk_mask(level_scores[i](child), counts[i], valid=E.iota_lt(n_cand, real),
+                               forced=forced, method=self.topk_method, dtype=dtype,
+                               k_max=bounds[i])
+            chosen = P.gather_rows(P.mask_onehot(mask, bounds[i]), child)   # [H_kv, k, C]
+        return chosen           # [H_kv, k, C], or [1, k, C] shared by the layer's heads
+
+    def selection_counts(self, extent: E.Extent):
+        """Per level: clusters selected (count), their static bound, and clusters holding
+        kept tokens, for a prompt of this extent."""
+        levels = range(len(self.sizes))
+
+        def level(i):
+            return lambda t: self.level_counts(self.kept_count(t),
+                                               P.budget_tokens(self.budget, t))[i]
+
+        def holding(i):
+            return lambda t: math.ceil(self.kept_count(t) / self.sizes[i])
+        counts = [extent.count(level(i), (self, "level", i)) for i in levels]
+        bounds = [extent.bound(level(i), (self, "level", i)) for i in levels]
+        valid = [extent.count(holding(i), (self, "holding", i)) for i in levels]
+        return counts, bounds, valid
+
+    def selection(self, layer, q, state: PrunedLayer, carry, scores_all=None) -> jax.Array:
+        """This layer's cluster one-hot [H_kv or 1, k, C]: its own selection, or the previous
+        selecting layer's (`carry`) under cross-layer sharing. scores_all: this step's
+        attention scores [H_kv, G, S + N] (exact maxima reuse them)."""
+        if self.selects(layer) or carry is None:
+            token = None
+            if self.scores_from_attention:
+                if scores_all is None:
+                    scores_all = self._attention_scores(q, state, state.new)
+                token = scores_all[..., :state.k.shape[1]]
+            return self.select(q, state, token)
+        return carry
+
+    @staticmethod
+    def _attention_scores(q, state: PrunedLayer, new):
+        return attention.grouped_scores(q, jnp.concatenate([state.k, new.k], axis=1))
 
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
         new = append_token(state.new, k_new, v_new)
         if not self.dynamic:
             out = attend_with_new(q, state.k, state.v, state.valid, new, self.softmax)
             return out, state.replace(new=new), carry
-        if self.selects(layer) or carry is None:
-            carry = self.select(q, state)
+        scores_all = self._attention_scores(q, state, new) if self.scores_from_attention else None
+        carry = self.selection(layer, q, state, carry, scores_all)
         out = attend_selected(q, state.k, state.v, state.valid, new, carry, self.sizes[-1],
-                              normalize=self.softmax)
+                              normalize=self.softmax, scores_all=scores_all)
         return out, state.replace(new=new), carry
+
+    def attended_slots(self, layer, q, state: PrunedLayer, carry) -> jax.Array:
+        if not self.dynamic:
+            return super().attended_slots(layer, q, state, carry)
+        clusters = jnp.sum(self.selection(layer, q, state, carry), axis=1)     # [H_kv, C]
+        slots = jnp.repeat(clusters, self.sizes[-1], axis=-1)
+        slots = jnp.broadcast_to(slots, state.valid.shape)
+        return slots * (state.valid > 0.5).astype(slots.dtype)

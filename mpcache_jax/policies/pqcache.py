@@ -19,6 +19,7 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mpcache_jax import primitives as P
 from mpcache_jax.policies.quest import PageSelectionPolicy
@@ -33,10 +34,14 @@ def split_subspaces(x: jax.Array, subspaces: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], subspaces, width)
 
 
-def pq_encode(k: jax.Array, subspaces: int, bits: int, iters: int):
-    """k: [H_kv, N, d] -> (centroids [H_kv, m, 2^b, ceil(d/m)], codes int32 [H_kv, m, N])."""
+def pq_encode(k: jax.Array, subspaces: int, bits: int, iters: int, count=None):
+    """k: [H_kv, N, d] -> (centroids [H_kv, m, 2^b, ceil(d/m)], codes int32 [H_kv, m, N]).
+    count: rows holding keys (the rest is padding, left out of the clustering); default N."""
     parts = split_subspaces(k, subspaces).transpose(0, 2, 1, 3)             # [H_kv, m, N, d/m]
-    return P.kmeans(parts, num_centroids=2 ** bits, iters=iters)
+    if count is None or isinstance(count, (int, np.integer)):
+        return P.kmeans(parts, num_centroids=2 ** bits, iters=iters,
+                        count=None if count is None else int(count))
+    return P.kmeans_runtime_count(parts, count, num_centroids=2 ** bits, iters=iters)
 
 
 def pq_reconstruct(centroids: jax.Array, codes: jax.Array, d: int) -> jax.Array:
@@ -79,19 +84,21 @@ class PQCache(PageSelectionPolicy):
     def static_local(self, budget):
         return 0  # the local window slides over generated tokens: see forced_pages
 
-    def window(self, lay) -> int:
-        return int(self.local_ratio * P.budget_tokens(self.budget, lay.prompt_len))
+    def window_tokens(self, prompt_len: int) -> int:
+        return int(self.local_ratio * P.budget_tokens(self.budget, prompt_len))
 
     def layout(self, prompt_len):
         lay = super().layout(prompt_len)
-        if not lay.full and self.window(lay) >= lay.selected:
-            raise ValueError(f"policy {self.name!r}: the local window of {self.window(lay)} "
+        if not lay.full and self.window_tokens(prompt_len) >= lay.selected:
+            raise ValueError(f"policy {self.name!r}: the local window of "
+                             f"{self.window_tokens(prompt_len)} "
                              f"tokens leaves no top-k token in a budget of {lay.selected} "
                              "(after the initial tokens); lower local_ratio or raise the budget")
         return lay
 
     def digest(self, layer, k_mid, valid_mid, q, k_prompt, lay, new_capacity):
-        centroids, codes = pq_encode(k_mid, self.subspaces, self.bits, self.kmeans_iters)
+        centroids, codes = pq_encode(k_mid, self.subspaces, self.bits, self.kmeans_iters,
+                                     lay.middle)
         new_codes = jnp.zeros(codes.shape[:2] + (new_capacity,), jnp.int32)
         return PQIndex(centroids, codes, new_codes)
 
@@ -103,9 +110,10 @@ class PQCache(PageSelectionPolicy):
 
     def forced_pages(self, state, lay):
         # Prompt tokens still inside the window: the last (window - generated) of them.
-        in_window = jnp.maximum(self.window(lay) - state.new.length, 0)
-        position = jnp.arange(lay.middle)
-        return (position >= lay.middle - in_window).astype(state.k.dtype)
+        window = lay.count(self.window_tokens, (self, "window"))
+        in_window = jnp.maximum(window - state.new.length, 0)
+        position = jnp.arange(lay.num_pages)
+        return ((position >= lay.middle - in_window) & (position < lay.middle)).astype(state.k.dtype)
 
     def after_select(self, state, mask, k_new, lay):
         index = state.extras

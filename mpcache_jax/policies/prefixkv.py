@@ -23,6 +23,7 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 
+from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
 from mpcache_jax.policies.base import LayerBudgetPolicy, causal_attention_mass
 from mpcache_jax.policies.mpcache import MPCache
@@ -112,14 +113,14 @@ class PrefixKV(LayerBudgetPolicy):
                                      min_keep)
         return tuple(counts)
 
-    def keep_scores(self, layer, q, k, prompt_len, carry):
-        return jnp.mean(causal_attention_mass(q, k), axis=(0, 1)), carry   # [T]
+    def keep_scores(self, layer, q, k, extent, carry):
+        length = None if extent.static else extent.length
+        return jnp.mean(causal_attention_mass(q, k, length=length), axis=(0, 1)), carry  # [T]
 
-    def forced_keep(self, prompt_len, count):
-        forced = np.zeros(prompt_len, np.float32)
-        forced[: min(self.num_sinks, count - 1)] = 1.0
-        forced[-1] = 1.0
-        return forced
+    def forced_keep(self, extent, count):
+        sinks = (min(self.num_sinks, count - 1) if extent.static
+                 else jnp.minimum(self.num_sinks, count - 1))
+        return E.union(E.iota_lt(extent.capacity, sinks), extent.last_tokens(1))
 
 
 @dataclasses.dataclass(frozen=True)

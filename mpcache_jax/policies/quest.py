@@ -13,6 +13,7 @@ is exactly `full`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import append_token
 from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_selected,
@@ -28,23 +30,43 @@ from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Static arrangement of one prompt: token counts of each region and the page budget."""
+    """Arrangement of one prompt, [initial | middle: num_pages pages | local], and the page
+    budget. Slot counts are static; `middle`, `local`, `selected` (tokens in the middle and
+    local regions, pages attended per step) are ints, or int32 scalars for a bucketed prompt,
+    whose `extent` then holds the runtime length (the local region's last `local` slots hold
+    the prompt's last tokens)."""
 
-    prompt_len: int
+    prompt_len: int      # prompt slots (T, or the bucket's capacity)
     initial: int
-    local: int
+    local_slots: int
     page_size: int
-    num_pages: int   # pages tiling the middle region
-    selected: int    # pages attended per step
-    full: bool       # the budget covers the prompt: attend to everything
-
-    @property
-    def middle(self) -> int:
-        return self.prompt_len - self.initial - self.local
+    num_pages: int       # pages tiling the middle region
+    selected_max: int    # static bound of `selected`
+    full: bool           # the budget covers the prompt: attend to everything
+    middle: Any = 0
+    local: Any = 0
+    selected: Any = 0
+    pages: Any = 0       # pages holding middle tokens (= num_pages for a static prompt)
+    extent: Any = None
 
     @property
     def padded(self) -> int:
         return self.num_pages * self.page_size
+
+    @property
+    def static(self) -> bool:
+        return self.extent is None or self.extent.static
+
+    def count(self, fn, key):
+        """fn(prompt length) for this layout's prompt (`Extent.count`)."""
+        if self.extent is None:
+            return fn(self.prompt_len)
+        return self.extent.count(fn, key)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(policy, prompt_len: int) -> Layout:
+    return policy.layout(prompt_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +117,12 @@ class PageSelectionPolicy(PromptEvictionPolicy):
 
     # --- shared machinery ------------------------------------------------------------------
     def layout(self, prompt_len: int) -> Layout:
+        """The static layout of a prompt of `prompt_len` tokens."""
         T, s = prompt_len, self.page_size
         B = P.budget_tokens(self.budget, T)
         if B >= T:
             C = math.ceil(T / s)
-            return Layout(T, 0, 0, s, C, C, True)
+            return Layout(T, 0, 0, s, C, C, True, middle=T, local=0, selected=C, pages=C)
         local = self.static_local(B)
         free = B - self.num_initial - local
         if free < s:
@@ -108,7 +131,29 @@ class PageSelectionPolicy(PromptEvictionPolicy):
                 f"after {self.num_initial} initial and {local} local tokens, less than one page of "
                 f"{s}; raise the budget or lower page_size, num_initial or local_ratio")
         C = math.ceil((T - self.num_initial - local) / s)
-        return Layout(T, self.num_initial, local, s, C, free // s, False)
+        return Layout(T, self.num_initial, local, s, C, free // s, False,
+                      middle=T - self.num_initial - local, local=local, selected=free // s,
+                      pages=C)
+
+    def layout_of(self, extent: E.Extent) -> Layout:
+        """The layout of a prompt of this extent: the static layout, or (bucketed prompt)
+        slot counts large enough for every length of the bucket and runtime token counts."""
+        if extent.static:
+            return dataclasses.replace(_layout(self, int(extent.length)), extent=extent)
+        lays = [_layout(self, t) for t in range(extent.low, extent.capacity + 1)]
+        shapes = {(lay.full, lay.initial) for lay in lays}
+        local_slots = max(lay.local_slots for lay in lays)
+        if len(shapes) > 1 or local_slots > extent.low:
+            raise ValueError(f"policy {self.name!r}: the bucket [{extent.low}, {extent.capacity}] "
+                             "holds prompts with different page layouts; use narrower buckets")
+        full, initial = shapes.pop()
+
+        def field(name):
+            return extent.count(lambda t: getattr(_layout(self, t), name), (self, "layout", name))
+        return Layout(extent.capacity, initial, local_slots, self.page_size,
+                      max(lay.num_pages for lay in lays), max(lay.selected for lay in lays), full,
+                      middle=field("middle"), local=field("local"), selected=field("selected"),
+                      pages=field("num_pages"), extent=extent)
 
     def kept_count(self, prompt_len: int) -> int:
         return prompt_len
@@ -116,20 +161,44 @@ class PageSelectionPolicy(PromptEvictionPolicy):
     def check_prompt(self, prompt_len: int) -> None:
         self.layout(prompt_len)
 
+    def arrange(self, x: jax.Array, lay: Layout) -> jax.Array:
+        """Prompt slots [H_kv, T, ...] -> the layout's [initial | middle pages | local] slots
+        (middle padding and, for a bucketed prompt, unused slots hold zeros)."""
+        i0, S = lay.initial, lay.padded
+        if lay.static:
+            i1 = i0 + lay.middle
+            pad = [(0, 0), (0, S - lay.middle)] + [(0, 0)] * (x.ndim - 2)
+            return jnp.concatenate([x[:, :i0], jnp.pad(x[:, i0:i1], pad), x[:, i1:]], axis=1)
+        T, L = lay.prompt_len, lay.local_slots
+        room = [(0, 0), (0, max(0, i0 + S - T))] + [(0, 0)] * (x.ndim - 2)
+        middle = jnp.pad(x, room)[:, i0:i0 + S]
+        middle = middle * E.iota_lt(S, lay.middle).reshape((1, S) + (1,) * (x.ndim - 2))
+        local = jax.lax.dynamic_slice_in_dim(x, lay.extent.length - L, L, axis=1)
+        used = (jnp.arange(L) >= L - lay.local).astype(x.dtype)
+        return jnp.concatenate([x[:, :i0], middle, local * used.reshape((1, L) + (1,) * (x.ndim - 2))],
+                               axis=1)
+
     def compress(self, cache, aux, max_new_tokens: int):
-        lay = self.layout(aux.prompt_len)
+        extent = E.of(aux)
+        if extent.static:
+            self.check_prompt(extent.length)
+        lay = self.layout_of(extent)
         if self.needs_queries and aux.queries is None:
             raise ValueError(f"policy {self.name!r} scores tokens with the prompt queries: call "
                              "prefill(..., return_queries=True)")
-        T, i0, i1 = lay.prompt_len, lay.initial, lay.initial + lay.middle
-        pad = lay.padded - lay.middle
-        valid_mid = np.concatenate([np.ones(lay.middle, np.float32), np.zeros(pad, np.float32)])
-        valid = np.concatenate([np.ones(i0, np.float32), valid_mid, np.ones(lay.local, np.float32)])
+        T, i0 = lay.prompt_len, lay.initial
+        valid_mid = E.iota_lt(lay.padded, lay.middle)
+        if lay.static:
+            valid = np.concatenate([np.ones(i0, np.float32), valid_mid,
+                                    np.ones(lay.local_slots, np.float32)])
+        else:
+            local_valid = jnp.arange(lay.local_slots) >= lay.local_slots - lay.local
+            valid = jnp.concatenate([jnp.ones(i0, jnp.float32), valid_mid,
+                                     local_valid.astype(jnp.float32)])
         out = []
         for index, layer in enumerate(cache):
             k, v = prompt_kv(layer, T)
-            padded = [jnp.concatenate([x[:, :i0], jnp.pad(x[:, i0:i1], ((0, 0), (0, pad), (0, 0))),
-                                       x[:, i1:]], axis=1) for x in (k, v)]
+            padded = [self.arrange(x, lay) for x in (k, v)]
             new = new_region(layer, max_new_tokens)
             extras = None
             if not lay.full:
@@ -138,7 +207,9 @@ class PageSelectionPolicy(PromptEvictionPolicy):
                 extras = self.digest(index, k_mid, jnp.asarray(valid_mid), q, k, lay, new.capacity)
             state_valid = jnp.broadcast_to(jnp.asarray(valid, k.dtype), padded[0].shape[:2])
             out.append(PrunedLayer(padded[0], padded[1], state_valid, new, extras,
-                                   prompt_len=T, kept=T))
+                                   prompt_len=T, kept=T,
+                                   length=None if extent.static else extent.length,
+                                   low=extent.low))
         return tuple(out)
 
     def select(self, q, state: PrunedLayer, lay: Layout) -> jax.Array:
@@ -146,18 +217,19 @@ class PageSelectionPolicy(PromptEvictionPolicy):
         q: [H, d]."""
         Hkv = state.k.shape[0]
         qg = q.reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])
+        valid = None if lay.static else E.iota_lt(lay.num_pages, lay.pages)
         return P.topk_mask(self.page_scores(qg, state.extras, lay), lay.selected,
-                           forced=self.forced_pages(state, lay), method=self.topk_method,
-                           dtype=jnp.int32)
+                           forced=self.forced_pages(state, lay), valid=valid,
+                           method=self.topk_method, dtype=jnp.int32, k_max=lay.selected_max)
 
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
         new = append_token(state.new, k_new, v_new)
         state = state.replace(new=new)
-        lay = self.layout(state.prompt_len)
+        lay = self.layout_of(state.extent())
         if lay.full or layer < self.dense_layers:
             return attend_with_new(q, state.k, state.v, state.valid, new, self.softmax), state, carry
         mask = self.select(q, state, lay)
-        onehot = P.mask_onehot(mask, lay.selected)                       # [H_kv, n, C]
+        onehot = P.mask_onehot(mask, lay.selected_max)                   # [H_kv, n, C]
         # initial tokens + selected pages of the middle + local tokens
         out = attend_selected(q, state.k, state.v, state.valid, new, onehot, lay.page_size,
                               lay.initial, lay.initial + lay.padded, self.softmax)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 
+from mpcache_jax import extent as E
 from mpcache_jax.policies.base import PromptEvictionPolicy, window_attention_mass
 
 
@@ -37,16 +37,21 @@ class SnapKV(PromptEvictionPolicy):
             raise ValueError(f"window={self.window} must be >= 1 and kernel={self.kernel} a "
                              "positive odd number (SnapKV: window 32, kernel 7)")
 
-    def keep_scores(self, layer, q, k, prompt_len, carry):
-        window = min(self.window, prompt_len)
-        votes = jnp.sum(window_attention_mass(q, k, window), axis=1)          # [H_kv, T]
-        prefix = (np.arange(prompt_len) < prompt_len - window).astype(np.float32)
+    def observation_window(self, prompt_len: int) -> int:
+        return min(self.window, prompt_len)
+
+    def keep_scores(self, layer, q, k, extent, carry):
+        key = (self, "window")
+        window = extent.count(self.observation_window, key)
+        votes = jnp.sum(window_attention_mass(q, k, window, extent=extent,
+                                              window_max=extent.bound(self.observation_window, key)),
+                        axis=1)                                               # [H_kv, T]
+        prefix = E.iota_lt(extent.capacity, extent.length - window)
         return max_pool_1d(votes * prefix, self.kernel), carry
 
-    def forced_keep(self, prompt_len, count):
-        forced = np.zeros(prompt_len, np.float32)
-        forced[prompt_len - min(self.window, count):] = 1.0
-        return forced
+    def forced_keep(self, extent, count):
+        return extent.last_tokens(jnp.minimum(self.window, count) if not extent.static
+                                  else min(self.window, count))
 
 
 REGISTRY = {"snapkv": (SnapKV, {})}

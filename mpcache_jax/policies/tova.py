@@ -20,8 +20,9 @@ class TOVA(DecodeEvictionPolicy):
     name: str = "tova"
     needs_queries: bool = True
 
-    def keep_scores(self, layer, q, k, prompt_len, carry):
-        return jnp.mean(window_attention_mass(q, k, 1), axis=(0, 1)), carry     # [T]
+    def keep_scores(self, layer, q, k, extent, carry):
+        mass = window_attention_mass(q, k, 1, extent=extent, window_max=1)
+        return jnp.mean(mass, axis=(0, 1)), carry                              # [T]
 
     def step_scores(self, previous, probs):
         return jnp.broadcast_to(jnp.mean(probs, axis=(0, 1)), previous.shape)

@@ -1,0 +1,76 @@
+"""Bucketed prompts: a prompt padded to its bucket, its length a runtime value, decodes exactly
+as the unpadded prompt (every registered policy), and one bucket compiles once.
+
+The registry is enumerated, so a new policy is covered as soon as it is registered.
+"""
+import numpy as np
+import pytest
+
+from mpcache_jax import generate
+from mpcache_jax.generate import apply_policy, bucket_of, prefill_prompt
+from mpcache_jax.policies import POLICY_NAMES, make_policy
+from models import model as model_module
+from models import registry
+
+BUCKET = (65, 128)        # prompts of 65..128 tokens share one compilation
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def llama():
+    lm = registry.load("llama-tiny")
+    tokens = np.random.RandomState(1).randint(0, lm.model.cfg.vocab_size, size=140)
+    return lm.model, lm.params, tokens
+
+
+def _run(model, params, tokens, prompt_len, policy, bucket):
+    """Prefill logits, then STEPS teacher-forced decode steps: logits [1 + STEPS, V]."""
+    logits, dense, aux = prefill_prompt(model, params, tokens[:prompt_len], STEPS,
+                                        policy.needs_queries, bucket=bucket)
+    cache = apply_policy(policy, dense, aux, STEPS)
+    rows = [np.asarray(logits)]
+    for t in range(prompt_len, prompt_len + STEPS - 1):
+        logits, cache = model.decode_step(params, tokens[t], t, cache, policy)
+        rows.append(np.asarray(logits))
+    return np.stack(rows)
+
+
+def test_bucket_of_picks_the_first_edge_at_or_above():
+    assert bucket_of(100, [512, 128, 64]) == (65, 128)
+    assert bucket_of(64, [64, 128]) == (1, 64)
+    with pytest.raises(ValueError, match="larger bucket"):
+        bucket_of(200, [64, 128])
+
+
+@pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "no_cache"])
+def test_bucketed_prompt_decodes_like_the_unpadded_one(llama, name):
+    model, params, tokens = llama
+    policy = make_policy(name, 0.5)
+    want = _run(model, params, tokens, 100, policy, None)
+    got = _run(model, params, tokens, 100, policy, BUCKET)
+    assert np.abs(got - want).max() <= 1e-5
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def _compiled():
+    return (model_module._prefill._cache_size(), model_module._decode._cache_size(),
+            generate.compress_cache._cache_size())
+
+
+@pytest.mark.parametrize("name", ["full", "mpcache", "snapkv", "h2o", "quest", "pqcache"])
+def test_one_bucket_compiles_once(llama, name):
+    model, params, tokens = llama
+    policy = make_policy(name, 0.5)
+    lengths = (70, 128, 111)
+    want = [_run(model, params, tokens, n, policy, None) for n in lengths]
+    _run(model, params, tokens, 90, policy, BUCKET)          # compiles the bucket's programs
+    before = _compiled()
+    for n, expected in zip(lengths, want):
+        assert np.abs(_run(model, params, tokens, n, policy, BUCKET) - expected).max() <= 1e-5
+    assert _compiled() == before
+
+
+def test_bucketed_prefill_checks_the_length(llama):
+    model, params, tokens = llama
+    with pytest.raises(ValueError, match="outside its bucket"):
+        prefill_prompt(model, params, tokens[:40], 2, bucket=BUCKET)
