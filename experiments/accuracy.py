@@ -18,8 +18,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from experiments import common, metrics, tasks
-from mpcache_jax.generate import (apply_policy, continuation_nll, decode_tokens, prefill_prompt)
+from experiments import common, fidelity, natural_tasks, tasks
+from models import model as model_module
+from mpcache_jax.generate import bucket_of, compress_cache
 from mpcache_jax.policies import make_policy
 from models import registry
 
@@ -102,39 +103,40 @@ def make_samples(FLAGS, task: str, tokenizer, lengths: list[int], depths: list[f
     if task == "ppl":
         return list(tasks.perplexity_chunks(tokenizer, data_path=FLAGS.data_path, lengths=lengths,
                                             target_len=FLAGS.ppl_target_len, **common_args))
+    if task == "continuation":
+        return list(natural_tasks.continuation(tokenizer, lengths=lengths,
+                                               target_len=FLAGS.ppl_target_len, **common_args))
+    if task in natural_tasks.NATURAL_TASKS:
+        return list(natural_tasks.NATURAL_TASKS[task](tokenizer, lengths=lengths, depths=depths,
+                                                      **common_args))
     return list(tasks.longbench_jsonl(tokenizer, data_path=FLAGS.data_path,
                                       num_samples=FLAGS.num_samples, max_length=max(lengths),
                                       metric=FLAGS.metric))
 
 
 def evaluate_sample(loaded, sample, policies, FLAGS):
-    """All policies on one prefill of the sample -> list of per-sample records."""
-    model, params, tok = loaded.model, loaded.params, loaded.tokenizer
-    is_ppl = sample.metric == "ppl"
-    steps = len(sample.target_ids) if is_ppl else FLAGS.max_new_tokens
-    need_queries = any(p.needs_queries for _, _, p in policies)
-    logits, dense, aux = prefill_prompt(model, params, sample.prompt_ids, steps, need_queries)
-    T = len(sample.prompt_ids)
-    records = []
-    for label, budget, policy in policies:
-        cache = apply_policy(policy, dense, aux, steps)
-        start = time.perf_counter()
-        if is_ppl:
-            nll = continuation_nll(model, params, logits, cache, policy=policy, start_pos=T,
-                                   target_ids=sample.target_ids)
-            score, text = float(math.exp(nll.mean())), ""
-        else:
-            result = decode_tokens(model, params, logits, cache, policy=policy, start_pos=T,
-                                   max_new_tokens=steps, stop_ids=tok.stop_ids)
-            text = tok.decode(result.tokens)
-            score = metrics.score(sample.metric, text, sample.answers)
-        records.append({
-            "task": sample.task, "sample_id": sample.sample_id, "policy": label,
-            "budget": budget, "score": score, "metric": sample.metric, "prompt_tokens": T,
-            "answers": sample.answers, "output": text, "decode_s": round(time.perf_counter() - start, 3),
-            **sample.meta,
-        })
-    return records
+    """All policies on one prefill of the sample -> list of per-sample records (task score,
+    agreement and KL with the full cache, mechanism metrics; experiments/fidelity.py)."""
+    return fidelity.evaluate_policies(loaded, sample, policies,
+                                      max_new_tokens=FLAGS.max_new_tokens,
+                                      agree_tokens=FLAGS.agree_tokens,
+                                      with_mechanism=FLAGS.mechanism,
+                                      bucket=sample_bucket(sample, FLAGS))
+
+
+def sample_bucket(sample, FLAGS) -> tuple[int, int] | None:
+    """(smallest length, capacity) of the sample's bucket, or None (--buckets= empty: every
+    prompt length compiles its own programs)."""
+    if not FLAGS.buckets:
+        return None
+    return bucket_of(len(sample.prompt_ids), parse_numbers("buckets", FLAGS.buckets, int))
+
+
+def compilations() -> dict[str, int]:
+    """Programs compiled so far: prefill, policy compression, decode step."""
+    return {"prefill": model_module._prefill._cache_size(),
+            "compress": compress_cache._cache_size(),
+            "decode": model_module._decode._cache_size()}
 
 
 def policy_chunks(policies, size: int):
@@ -184,28 +186,65 @@ def load_finished(samples_path):
     return records
 
 
+FIDELITY_FIELDS = ("score", "full_score", "agree", "agree_prefix", "kl")
+
+
 def aggregate(sample_records, FLAGS):
+    """One record per (task, policy, budget): means of the task score, full's score on the same
+    samples, greedy agreement with full (exact / prefix share) and KL from full."""
     groups = collections.defaultdict(list)
     for r in sample_records:
-        groups[(r["task"], r["policy"], r["budget"])].append(r["score"])
+        groups[(r["task"], r["policy"], r["budget"])].append(r)
     config = common.flag_values(FLAGS)
     commit = common.git_commit()
-    return [{"task": task, "policy": policy, "budget": budget,
-             "score": float(np.mean(scores)), "n": len(scores), "model": FLAGS.model,
-             "git_commit": commit, "config": config}
-            for (task, policy, budget), scores in groups.items()]
+    out = []
+    for (task, policy, budget), records in groups.items():
+        means = {field: float(np.mean([r.get(field, np.nan) for r in records]))
+                 for field in FIDELITY_FIELDS}
+        out.append({"task": task, "policy": policy, "budget": budget, **means, "n": len(records),
+                    "model": FLAGS.model, "git_commit": commit, "config": config})
+    return out
+
+
+def aggregate_mechanism(sample_records) -> list[dict]:
+    """Per (task, policy, budget, layer): mean share of the answer's tokens that survive static
+    eviction and that the answer-writing step selects (samples where full wrote the answer)."""
+    groups = collections.defaultdict(list)
+    for r in sample_records:
+        if r.get("mechanism"):
+            groups[(r["task"], r["policy"], r["budget"])].append(r["mechanism"])
+    rows = []
+    for (task, policy, budget), mechs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        layers = len(mechs[0]["survive"])
+        for layer in range(layers):
+            survive = [m["survive"][layer] for m in mechs]
+            select = [m["select"][layer] for m in mechs if m.get("select")]
+            rows.append({"task": task, "policy": policy, "budget": budget, "layer": layer,
+                         "survive": float(np.nanmean(survive)),
+                         "select": float(np.nanmean(select)) if select else float("nan"),
+                         "n": len(mechs), "n_select": len(select)})
+    return rows
+
+
+def write_csv(rows: list[dict], columns: list[str], path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for r in rows:
+            writer.writerow([f"{r[c]:.4f}" if isinstance(r[c], float) else r[c] for c in columns])
 
 
 def write_summary(results, path):
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["task", "policy", "budget", "score", "n"])
-        for r in sorted(results, key=lambda r: (r["task"], r["policy"], r["budget"])):
-            writer.writerow([r["task"], r["policy"], r["budget"], f"{r['score']:.4f}", r["n"]])
+    rows = sorted(results, key=lambda r: (r["task"], r["policy"], str(r["budget"])))
+    write_csv(rows, ["task", "policy", "budget", *FIDELITY_FIELDS, "n"], path)
 
 
-def plot_score_vs_budget(results, path):
-    """One panel per task: score vs budget, one line per policy (full as a dashed level)."""
+METRIC_LABELS = {"score": "score", "agree": "greedy agreement with full",
+                 "kl": "KL(full || policy), nats per step"}
+
+
+def plot_vs_budget(results, path, field: str = "score"):
+    """One panel per task: `field` vs budget, one line per policy (full as a dashed level)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -221,7 +260,7 @@ def plot_score_vs_budget(results, path):
         by_policy = collections.defaultdict(list)
         for r in results:
             if r["task"] == task:
-                by_policy[r["policy"]].append((r["budget"], r["score"], r["n"]))
+                by_policy[r["policy"]].append((r["budget"], r[field], r["n"]))
         colors = plt.get_cmap("tab20").colors
         markers = "osD^vP*X<>"
         for i, (policy, points) in enumerate(sorted(by_policy.items())):
@@ -235,7 +274,9 @@ def plot_score_vs_budget(results, path):
                     marker=markers[i % len(markers)], color=colors[i % len(colors)], label=policy)
         n = max(p[2] for points in by_policy.values() for p in points)
         ax.set_xlabel("budget (prompt tokens attended, ratio or count)")
-        ax.set_ylabel("perplexity (lower is better)" if task == "ppl" else "score")
+        ppl = field == "score" and any(r["task"] == task and r.get("full_score", 0) > 1.5
+                                       for r in results)
+        ax.set_ylabel("perplexity (lower is better)" if ppl else METRIC_LABELS[field])
         ax.set_title(f"{task} ({results[0]['model']}, n={n})")
         if not many:
             ax.legend(fontsize=7)
@@ -245,6 +286,37 @@ def plot_score_vs_budget(results, path):
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_mechanism(rows: list[dict], path):
+    """One panel per task: per layer, the share of the answer's tokens surviving static
+    eviction (solid) and selected at the answer step (dashed), one colour per policy@budget."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    task_names = sorted({r["task"] for r in rows})
+    fig, axes = plt.subplots(1, len(task_names), figsize=(6 * len(task_names), 4.2), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
+    for ax, task in zip(axes.flat, task_names):
+        combos = sorted({(r["policy"], str(r["budget"])) for r in rows if r["task"] == task})
+        for i, (policy, budget) in enumerate(combos):
+            mine = sorted((r for r in rows if r["task"] == task and r["policy"] == policy
+                           and str(r["budget"]) == budget), key=lambda r: r["layer"])
+            layers = [r["layer"] for r in mine]
+            color = colors[i % len(colors)]
+            ax.plot(layers, [r["survive"] for r in mine], color=color,
+                    label=f"{policy}@{budget}")
+            ax.plot(layers, [r["select"] for r in mine], color=color, linestyle="--")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("share of answer tokens")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{task}: kept by static eviction (solid), selected (dashed)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
@@ -300,14 +372,20 @@ def run(FLAGS) -> None:
     samples_path.write_text("".join(json.dumps(r) + "\n" for r in all_records))
     chunks = policy_chunks(policies, FLAGS.policy_chunk)
     bar = tqdm(total=len(samples) * len(chunks), desc=",".join(task_names), unit="sample")
+    compiled = collections.Counter()
+    warm_s = []     # wall time of samples that compiled nothing (after warm-up)
     for number, chunk in enumerate(chunks, 1):
+        before = compilations()
         for sample in samples:
             todo = [(label, budget, policy) for label, budget, policy in chunk
                     if record_key(sample.task, sample.sample_id, label, budget) not in finished]
             if not todo:
                 bar.update()
                 continue
+            start, seen = time.perf_counter(), compilations()
             records = evaluate_sample(loaded, sample, todo, FLAGS)
+            if compilations() == seen:
+                warm_s.append(time.perf_counter() - start)
             common.write_jsonl(samples_path, records, append=True)
             all_records.extend(records)
             means = collections.defaultdict(list)
@@ -315,19 +393,52 @@ def run(FLAGS) -> None:
                 means[f"{r['policy']}@{r['budget']}"].append(r["score"])
             bar.update()
             bar.set_postfix({k: f"{np.mean(v):.2f}" for k, v in list(means.items())[:4]})
+        compiled.update({k: v - before[k] for k, v in compilations().items()})
         if len(chunks) > 1:
             release_compiled_programs()
             tqdm.write(f"policy group {number}/{len(chunks)} done; resident memory "
                        f"{resident_mb():.0f} MB")
     bar.close()
+    buckets = sorted({sample_bucket(s, FLAGS) for s in samples}, key=str)
+    print(f"compilations: {dict(compiled)} for {len(policies)} policy x budget programs and "
+          f"{len(buckets)} prompt shape(s) {buckets if FLAGS.buckets else '(exact lengths)'}")
+    if warm_s:
+        print(f"wall time per sample after warm-up (all its policies): median "
+              f"{np.median(warm_s):.1f} s over {len(warm_s)} samples")
     results = aggregate(all_records, FLAGS)
     common.write_jsonl(out / "results.jsonl", results)
     write_summary(results, out / "summary.csv")
-    plot_score_vs_budget(results, out / "score_vs_budget.png")
+    written = ["results.jsonl", "samples.jsonl", "summary.csv"]
+    for field in ("score", "agree", "kl"):
+        plot_vs_budget(results, out / f"{field}_vs_budget.png", field)
+        written.append(f"{field}_vs_budget.png")
+    mechanism_rows = aggregate_mechanism(all_records)
+    if mechanism_rows:
+        write_csv(mechanism_rows, ["task", "policy", "budget", "layer", "survive", "select", "n",
+                                   "n_select"], out / "mechanism.csv")
+        plot_mechanism(mechanism_rows, out / "mechanism.png")
+        written += ["mechanism.csv", "mechanism.png"]
     if "needle" in task_names:
         plot_needle_heatmaps([r for r in all_records if r["task"] == "needle"],
                              out / "needle_heatmap.png")
-    print(f"\n{'task':<14}{'policy':<24}{'budget':>8}{'score':>10}{'n':>5}")
-    for r in sorted(results, key=lambda r: (r["task"], r["policy"], r["budget"])):
-        print(f"{r['task']:<14}{r['policy']:<24}{r['budget']:>8}{r['score']:>10.4f}{r['n']:>5}")
-    print(f"wrote {out}/results.jsonl, samples.jsonl, summary.csv, score_vs_budget.png")
+        written.append("needle_heatmap.png")
+    print_table(results, mechanism_rows)
+    print(f"wrote {out}/: {', '.join(written)}")
+
+
+def print_table(results, mechanism_rows) -> None:
+    print(f"\n{'task':<14}{'policy':<22}{'budget':>7}{'score':>8}{'full':>8}{'agree':>7}"
+          f"{'prefix':>8}{'kl':>8}{'n':>4}")
+    for r in sorted(results, key=lambda r: (r["task"], r["policy"], str(r["budget"]))):
+        print(f"{r['task']:<14}{r['policy']:<22}{r['budget']!s:>7}{r['score']:>8.3f}"
+              f"{r['full_score']:>8.3f}{r['agree']:>7.2f}{r['agree_prefix']:>8.2f}"
+              f"{r['kl']:>8.3f}{r['n']:>4}")
+    if mechanism_rows:
+        print(f"\n{'mechanism: task':<16}{'policy':<22}{'budget':>7}{'survive':>9}{'select':>8}"
+              f"{'n':>4}  (means over layers)")
+        groups = collections.defaultdict(list)
+        for r in mechanism_rows:
+            groups[(r["task"], r["policy"], str(r["budget"]))].append(r)
+        for (task, policy, budget), rows in sorted(groups.items()):
+            print(f"{task:<16}{policy:<22}{budget:>7}{np.nanmean([r['survive'] for r in rows]):>9.3f}"
+                  f"{np.nanmean([r['select'] for r in rows]):>8.3f}{rows[0]['n']:>4}")

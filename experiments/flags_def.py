@@ -20,8 +20,9 @@ flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (with temperature > 0).")
 # Accuracy harness
 flags.DEFINE_list("task", ["passkey"], "Accuracy task(s), comma-separated: passkey, needle, "
-                  "kv_retrieval, ppl, longbench_jsonl. Several tasks share one model load and "
-                  "one compilation per policy.")
+                  "kv_retrieval, ppl, longbench_jsonl, and the fidelity suite's multi_needle, "
+                  "multi_hop, qa, continuation. Several tasks share one model load and one "
+                  "compilation per policy.")
 flags.DEFINE_list("policies", ["full", "mpcache"], "Registered policy names to evaluate.")
 flags.DEFINE_string("variants", None,
                     'JSON {"label": {"policy": NAME, option: value, ...}} of configured variants '
@@ -35,6 +36,15 @@ flags.DEFINE_string("data_path", None, "Text file (ppl) or LongBench-format JSON
 flags.DEFINE_enum("metric", None, ["contains", "exact", "qa_f1", "rouge_l"],
                   "LongBench metric (default: by dataset name).")
 flags.DEFINE_integer("ppl_target_len", 64, "Tokens scored after each ppl prefix.")
+flags.DEFINE_list("buckets", ["512", "1024", "1536", "2048", "3072", "4096", "8192"],
+                  "Accuracy: prompts are padded to the first of these lengths that holds them "
+                  "(their length a runtime value), so prefill, compression and decode compile "
+                  "once per bucket and policy; empty (--buckets=) compiles per exact length.")
+flags.DEFINE_integer("agree_tokens", 16, "Accuracy: greedy agreement with the full cache and "
+                     "the KL are measured over the first N generated tokens.")
+flags.DEFINE_bool("mechanism", True, "Accuracy: per-layer answer-span survival after static "
+                  "eviction and selection at the answer-writing step, for policies that "
+                  "report them (MPCache and the prompt-eviction baselines).")
 flags.DEFINE_bool("resume", False, "Accuracy: keep the per-sample records already in "
                   "OUTPUT_DIR/samples.jsonl (same flags) and run only the missing sample x policy "
                   "pairs, e.g. after a run was killed.")

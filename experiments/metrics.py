@@ -59,3 +59,33 @@ def score(metric: str, prediction: str, answers: list[str]) -> float:
     if fn is None:
         raise ValueError(f"unknown metric {metric!r}; use one of {METRICS}")
     return max((fn(prediction, a) for a in answers), default=0.0)
+
+
+# --- agreement with the full cache --------------------------------------------------------
+
+def log_softmax(logits) -> "np.ndarray":
+    """Row-wise log-probabilities (float64) of logits [..., V]."""
+    import numpy as np
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def kl_divergence(reference_logits, logits) -> "np.ndarray":
+    """KL(p_ref || p) per row, in nats, of two [..., V] logit arrays (p = softmax)."""
+    import numpy as np
+    ref, own = log_softmax(reference_logits), log_softmax(logits)
+    return np.sum(np.exp(ref) * (ref - own), axis=-1)
+
+
+def greedy_agreement(reference: list[int], tokens: list[int], n: int) -> tuple[float, float]:
+    """(exact, prefix) agreement of a greedy output with the reference over the first
+    min(n, len(reference)) tokens: exact = 1.0 if they are all equal, prefix = share of those
+    tokens before the first difference."""
+    m = min(n, len(reference))
+    if m == 0:
+        return 1.0, 1.0
+    common = 0
+    while common < m and common < len(tokens) and tokens[common] == reference[common]:
+        common += 1
+    return float(common == m), common / m

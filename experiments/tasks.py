@@ -6,14 +6,17 @@ length reuses one compiled prefill and one compiled decode step per policy.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pathlib
 import random
 import re
-from typing import Iterator
+from typing import Iterable, Iterator
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
-TASKS = ("passkey", "needle", "kv_retrieval", "ppl", "longbench_jsonl")
+TASKS = ("passkey", "needle", "kv_retrieval", "ppl", "longbench_jsonl",
+         # the fidelity suite (natural prose, experiments/natural_tasks.py)
+         "multi_needle", "multi_hop", "qa", "continuation")
 
 PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
                   "There and back again.")
@@ -39,7 +42,8 @@ KV_SUBJECTS = ["red door", "blue tower", "green garden", "silver bridge", "old m
 
 @dataclasses.dataclass
 class Sample:
-    """One evaluation item. For ppl, `prompt_ids` is the prefix and `target_ids` the text to score."""
+    """One evaluation item. For ppl, `prompt_ids` is the prefix and `target_ids` the text to
+    score. `answer_spans`: [start, end) prompt positions of the asked value, when known."""
 
     task: str
     sample_id: str
@@ -48,6 +52,7 @@ class Sample:
     metric: str = "contains"
     target_ids: list[int] | None = None
     meta: dict = dataclasses.field(default_factory=dict)
+    answer_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def haystack_paragraphs() -> list[str]:
@@ -60,47 +65,78 @@ def _sentences(text: str) -> list[str]:
 
 
 class PromptBuilder:
-    """Builds chat prompts `<template prefix> intro + haystack(+inserts) + question <suffix>`
-    with the haystack cut so the whole prompt has exactly `length` tokens."""
+    """Chat prompts `<template> intro \\n\\n document(+inserts) \\n\\n question <template>` of
+    exactly `length` tokens, the document cut from `pieces` (strings, each with the whitespace
+    that joins it to the previous one; tokenized one by one).
 
-    PLACEHOLDER = "\u0000HAYSTACK\u0000"
+    Each insert is (depth, text, marks): the text goes between two pieces at `depth` (fraction
+    of the document), and the token spans of its `marks` (substrings of the text, first
+    occurrence) in the final prompt are returned, so a harness knows where an answer sits.
+    """
+
+    PLACEHOLDER = "\u0000DOCUMENT\u0000"
 
     def __init__(self, tokenizer, chat: bool = True):
         self.tok = tokenizer
         if chat:
             rendered = tokenizer.apply_chat_template(
                 [{"role": "user", "content": self.PLACEHOLDER}], add_generation_prompt=True)
-            head, tail = rendered.split(self.PLACEHOLDER)
+            self.head, self.tail = rendered.split(self.PLACEHOLDER)
         else:
-            head, tail = "", "\n"
-        self.head, self.tail = head, tail
+            self.head, self.tail = "", "\n"
 
-    def build(self, intro: str, filler_sentences: list[str], inserts: list[tuple[float, str]],
-              question: str, length: int, answer_prefix: str = "") -> list[int]:
+    def _encode_marked(self, text: str, marks: list[str]):
+        ids, offsets = self.tok.encode_with_offsets(text)
+        spans = []
+        for mark in marks:
+            at = text.find(mark)
+            if at < 0:
+                raise ValueError(f"{mark!r} does not occur in {text!r}")
+            inside = [i for i, (a, b) in enumerate(offsets) if a < at + len(mark) and b > at]
+            spans.append((inside[0], inside[-1] + 1))
+        return ids, spans
+
+    def build(self, intro: str, pieces: Iterable[str], inserts: list[tuple[float, str, list[str]]],
+              question: str, length: int) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """-> (prompt ids of exactly `length` tokens, per insert the [start, end) prompt
+        positions of its marks)."""
         head = self.tok.encode(self.head + intro + "\n\n")
-        tail = self.tok.encode("\n\n" + question + self.tail + answer_prefix)
-        insert_ids = [(depth, self.tok.encode(" " + text)) for depth, text in inserts]
-        budget = length - len(head) - len(tail) - sum(len(ids) for _, ids in insert_ids)
-        if budget < 16:
+        tail = self.tok.encode("\n\n" + question + self.tail)
+        encoded = [(depth, *self._encode_marked(text, marks)) for depth, text, marks in inserts]
+        room = length - len(head) - len(tail) - sum(len(ids) for _, ids, _ in encoded)
+        if room < 16:
             raise ValueError(f"length={length} tokens is too short for this task's prompt")
-        hay: list[list[int]] = []
-        total, i = 0, 0
-        while total < budget:
-            ids = self.tok.encode(" " + filler_sentences[i % len(filler_sentences)])
-            hay.append(ids)
+        document: list = []
+        total = 0
+        for piece in pieces:
+            if total >= room:
+                break
+            ids = self.tok.encode(piece)
+            document.append(ids)
             total += len(ids)
-            i += 1
-        flat_cut = budget
-        # Trim the last sentence so the haystack has exactly `budget` tokens.
-        overflow = total - flat_cut
-        if overflow:
-            hay[-1] = hay[-1][: len(hay[-1]) - overflow]
-        # Insert each fact between sentences at its depth (fraction of the haystack).
-        for depth, ids in sorted(insert_ids, key=lambda x: -x[0]):
-            hay.insert(round(depth * len(hay)), ids)
-        tokens = head + [t for sent in hay for t in sent] + tail
+        if total < room:
+            raise ValueError(f"the text holds {total} tokens, fewer than the {room} this "
+                             f"{length}-token prompt needs")
+        document[-1] = document[-1][:len(document[-1]) - (total - room)]
+        # Deepest insert first, each at round(depth x current number of pieces).
+        for index in sorted(range(len(encoded)), key=lambda i: -encoded[i][0]):
+            document.insert(round(encoded[index][0] * len(document)), index)
+        tokens, spans = list(head), [None] * len(encoded)
+        for part in document:
+            if isinstance(part, int):
+                _, ids, marks = encoded[part]
+                spans[part] = [(len(tokens) + a, len(tokens) + b) for a, b in marks]
+                tokens.extend(ids)
+            else:
+                tokens.extend(part)
+        tokens.extend(tail)
         assert len(tokens) == length, (len(tokens), length)
-        return tokens
+        return tokens, spans
+
+
+def spaced(sentences: list[str]) -> Iterator[str]:
+    """The sentences again and again, each joined by a space."""
+    return (" " + s for s in itertools.cycle(sentences))
 
 
 def passkey(tokenizer, *, num_samples: int, lengths: list[int], depths: list[float], seed: int,
@@ -112,13 +148,13 @@ def passkey(tokenizer, *, num_samples: int, lengths: list[int], depths: list[flo
         length = lengths[i % len(lengths)]
         depth = depths[(i // len(lengths)) % len(depths)]
         key = str(rng.randint(10000, 99999))
-        ids = builder.build(
+        ids, spans = builder.build(
             "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
-            "I will quiz you about the pass key.", filler,
-            [(depth, f"The pass key is {key}. Remember it. {key} is the pass key.")],
+            "I will quiz you about the pass key.", spaced(filler),
+            [(depth, f" The pass key is {key}. Remember it. {key} is the pass key.", [key])],
             "What is the pass key?", length)
         yield Sample("passkey", f"passkey-{i}", ids, [key], "contains",
-                     meta={"length": length, "depth": depth})
+                     meta={"length": length, "depth": depth}, answer_spans=spans[0])
 
 
 def needle(tokenizer, *, num_samples: int, lengths: list[int], depths: list[float], seed: int,
@@ -133,10 +169,11 @@ def needle(tokenizer, *, num_samples: int, lengths: list[int], depths: list[floa
         fact, question, answer = NEEDLES[rng.randrange(len(NEEDLES))]
         start = rng.randrange(len(paragraphs))
         sentences = [s for p in paragraphs[start:] + paragraphs[:start] for s in _sentences(p)]
-        ids = builder.build("Read the following text carefully and answer the question at the end.",
-                            sentences, [(depth, fact)], question, length)
+        ids, spans = builder.build(
+            "Read the following text carefully and answer the question at the end.",
+            spaced(sentences), [(depth, " " + fact, [answer])], question, length)
         yield Sample("needle", f"needle-{i}", ids, [answer], "contains",
-                     meta={"length": length, "depth": depth})
+                     meta={"length": length, "depth": depth}, answer_spans=spans[0])
 
 
 def kv_retrieval(tokenizer, *, num_samples: int, lengths: list[int], num_facts: int = 6,
@@ -151,14 +188,16 @@ def kv_retrieval(tokenizer, *, num_samples: int, lengths: list[int], num_facts: 
         subjects = rng.sample(KV_SUBJECTS, num_facts)
         values = [str(rng.randint(1000, 9999)) for _ in subjects]
         depths = sorted(rng.uniform(0.05, 0.95) for _ in subjects)
-        inserts = [(d, f"The access number of the {s} is {v}.")
+        inserts = [(d, f" The access number of the {s} is {v}.", [v])
                    for d, s, v in zip(depths, subjects, values)]
         ask = rng.randrange(num_facts)
-        ids = builder.build("Several access numbers are mentioned in the text below. Read it and "
-                            "answer the question at the end.", sentences, inserts,
-                            f"What is the access number of the {subjects[ask]}?", length)
+        ids, spans = builder.build(
+            "Several access numbers are mentioned in the text below. Read it and answer the "
+            "question at the end.", spaced(sentences), inserts,
+            f"What is the access number of the {subjects[ask]}?", length)
         yield Sample("kv_retrieval", f"kv-{i}", ids, [values[ask]], "contains",
-                     meta={"length": length, "depth": depths[ask], "num_facts": num_facts})
+                     meta={"length": length, "depth": depths[ask], "num_facts": num_facts},
+                     answer_spans=spans[ask])
 
 
 def perplexity_chunks(tokenizer, *, data_path: str | None, num_samples: int, lengths: list[int],
@@ -187,6 +226,8 @@ LONGBENCH_METRICS = {
     "qmsum": "rouge_l", "multi_news": "rouge_l", "samsum": "rouge_l", "trec": "contains",
     "passage_retrieval_en": "contains", "passage_count": "exact", "lcc": "rouge_l",
     "repobench-p": "rouge_l",
+    # the fidelity suite's mixed-length export (python -m experiments.natural_tasks)
+    "multi_needle": "contains", "qa": "qa_f1",
 }
 
 

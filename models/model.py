@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpcache_jax import programs
 from mpcache_jax.cache import KVCache, empty_cache
 from mpcache_jax.policy import FULL, AttentionPolicy, PrefillAux
 from models.config import ModelConfig
@@ -32,15 +33,14 @@ def _forward(model, params, tokens):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "return_queries", "all_logits"))
-def _prefill(model, params, tokens, cache, return_queries, all_logits):
-    return model.module.apply({"params": params}, tokens, cache, return_queries, all_logits,
-                              method=DecoderLM.prefill)
+def _prefill(model, params, tokens, cache, return_queries, all_logits, length=None):
+    return programs.dense_prefill(model, params, tokens, cache, return_queries, all_logits,
+                                  length)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "policy"), donate_argnames=("cache",))
 def _decode(model, params, token, pos, cache, policy):
-    return model.module.apply({"params": params}, token, pos, cache, policy,
-                              method=DecoderLM.decode)
+    return programs.decode_logits(model, policy, params, token, pos, cache)
 
 
 def tie_lm_head(params: dict) -> dict:
@@ -66,6 +66,15 @@ class Model:
                                            jnp.zeros((1,), jnp.int32))["params"]
         params = dict(params)
         return tie_lm_head(params) if self.cfg.tie_embeddings else params
+
+    def param_shapes(self) -> dict:
+        """ShapeDtypeStruct tree of init_params' (what a party without the weights knows)."""
+        shapes = dict(jax.eval_shape(self.module.init, jax.random.PRNGKey(0),
+                                     jnp.zeros((1,), jnp.int32))["params"])
+        if self.cfg.tie_embeddings:
+            shapes["lm_head"] = {"kernel": jax.ShapeDtypeStruct(
+                (self.cfg.hidden_size, self.cfg.vocab_size), jnp.float32)}
+        return shapes
 
     def init_cache(self, capacity: int, dtype=jnp.float32) -> KVCache:
         c = self.cfg
@@ -97,15 +106,25 @@ class Model:
         return _forward(self, params, self._check_tokens(tokens))
 
     def prefill(self, params, tokens, cache: KVCache, *, return_queries: bool = False,
-                all_logits: bool = False):
+                all_logits: bool = False, length: int | None = None, min_length: int = 1):
         """Run the prompt through the model, filling an empty dense cache.
 
         Returns (logits, cache, aux): logits [V] for the last prompt token ([T, V] with
         all_logits), the cache with slots [0, T) filled, and a PrefillAux (prompt queries per
         layer when return_queries, for policies that score tokens at prefill).
+
+        Bucketed prompts: `tokens` padded at the end to the bucket's T slots, `length` the
+        number of real tokens (a public runtime value: one compilation per bucket) and
+        `min_length` the smallest length the bucket holds (sizes the policies' tables).
         """
         tokens = self._check_tokens(tokens)
         T = tokens.shape[0]
+        if length is not None:
+            if all_logits:
+                raise ValueError("all_logits is not available for a bucketed (padded) prompt")
+            if not min_length <= int(length) <= T:
+                raise ValueError(f"length={length} must lie in [min_length={min_length}, {T}] "
+                                 "(the prompt's real tokens within its bucket)")
         if len(cache) != self.cfg.num_layers:
             raise ValueError(f"cache has {len(cache)} layers, the model has {self.cfg.num_layers}")
         capacity = cache[0].capacity
@@ -115,8 +134,15 @@ class Model:
         if T > capacity:
             raise ValueError(f"prompt of {T} tokens is longer than the cache capacity {capacity}; "
                              "create the cache with capacity >= prompt length + new tokens")
-        logits, cache, queries = _prefill(self, params, tokens, cache, return_queries, all_logits)
-        return logits, cache, PrefillAux(queries=queries, prompt_len=T)
+        if length is None:
+            logits, cache, queries = _prefill(self, params, tokens, cache, return_queries,
+                                              all_logits)
+            return logits, cache, PrefillAux(queries=queries, prompt_len=T)
+        length = jnp.asarray(length, jnp.int32)
+        logits, cache, queries = _prefill(self, params, tokens, cache, return_queries, all_logits,
+                                          length)
+        return logits, cache, PrefillAux(queries=queries, prompt_len=T, length=length,
+                                         min_length=min_length)
 
     def decode_step(self, params, token, pos, cache: KVCache,
                     policy: AttentionPolicy = FULL):

@@ -169,6 +169,11 @@ class ChatTokenizer:
         their ids. No BOS is added."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` and each token's character span [start, end) in `text`."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(span) for span in encoding.offsets]
+
     def decode(self, ids, skip_special: bool = True) -> str:
         """Text of `ids` (any int sequence); control tokens dropped when `skip_special`."""
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)

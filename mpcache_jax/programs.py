@@ -1,0 +1,234 @@
+"""The step programs of generation, defined once for every backend, with the visibility of
+each input and output.
+
+Threat model (MPCache, Appendix B.1): the server holds the weights, the client the prompt;
+token counts and positions are public; every value derived from the prompt or the weights
+(activations, scores, selections, one-hot matrices, the KV cache) stays secret. Only the
+sampled token of each step is revealed, to the client, who feeds it back as a secret one-hot
+row (a secret token id would otherwise need a secret-index embedding gather).
+
+    progs = StepPrograms(model, policy, prompt_len=T, max_new_tokens=N)
+    progs.prefill    (params, prompt [T] ids or one-hot [T, V], empty cache) -> (token, logits, cache)
+                     dense prefill + the policy's compression (static eviction) in one program
+    progs.decode     (params, token [] id or one-hot [V], pos [], cache) -> (token, logits, cache)
+    progs.prefill_args(params_shape) / progs.prefill_visibility()
+    progs.decode_args(params_shape)  / progs.decode_visibility(params_shape)
+
+Every backend compiles these (`mpc.backends`: XLA, the SPU simulator; `distributed`: one SPU
+party per process) and the session loop (`mpc.secure.SecureSession`) drives them. Plaintext
+entry points with ids instead of one-hots (`models.model.Model.prefill/decode_step`) call
+the same model functions (`dense_prefill`, `decode_logits`); the cost benchmarks add
+`decode_layers`, `forward_layers` and `head` (the decode step split around the LM head).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpcache_jax.policy import AttentionPolicy, PrefillAux
+
+SECRET = "secret"
+PUBLIC = "public"
+# Token counters of the cache (slot positions) are public; every other leaf is secret.
+PUBLIC_CACHE_FIELDS = ("length",)
+
+
+def _module():
+    from models.transformer import DecoderLM
+    return DecoderLM
+
+
+# ----- the model functions (pure; jitted or compiled by the callers) -------------------------------
+def dense_prefill(model, params, tokens, cache, return_queries: bool, all_logits: bool = False,
+                  length=None):
+    """(logits [V] or [T, V], dense cache, per-layer queries or None). tokens: ids [T] or
+    one-hot [T, V]; length: real tokens of a bucketed prompt (runtime), default T."""
+    return model.module.apply({"params": params}, tokens, cache, return_queries, all_logits,
+                              length, method=_module().prefill)
+
+
+def decode_logits(model, policy: AttentionPolicy, params, token, pos, cache):
+    """One decode step -> (logits [V], cache). token: id [] or one-hot [V]; pos: public."""
+    return model.module.apply({"params": params}, token, pos, cache, policy,
+                              method=_module().decode)
+
+
+def greedy(logits: jax.Array) -> jax.Array:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def prefill_fn(model, policy: AttentionPolicy, max_new_tokens: int):
+    """(params, prompt, empty cache) -> (token, logits [V], policy cache): prefill and the
+    policy's compression (static eviction) in one program."""
+    def prefill(params, prompt, cache):
+        logits, dense, queries = dense_prefill(model, params, prompt, cache, policy.needs_queries)
+        aux = PrefillAux(queries=queries, prompt_len=prompt.shape[0])
+        return greedy(logits), logits, policy.compress(dense, aux, max_new_tokens)
+    return prefill
+
+
+def decode_fn(model, policy: AttentionPolicy):
+    """(params, token, pos, cache) -> (token, logits [V], cache)."""
+    def decode(params, token, pos, cache):
+        logits, cache = decode_logits(model, policy, params, token, pos, cache)
+        return greedy(logits), logits, cache
+    return decode
+
+
+def decode_layers_fn(model, policy: AttentionPolicy):
+    """(params, token, pos, cache) -> (hidden [1, D], cache): a decode step's decoder layers
+    without the LM head (cost runs: the head does not depend on the policy)."""
+    def decode_layers(params, token, pos, cache):
+        return model.module.apply({"params": params}, token, pos, cache, policy,
+                                  method=_module().decode_hidden)
+    return decode_layers
+
+
+def forward_layers_fn(model):
+    """(params, tokens [T, V]) -> hidden [1, D] of the last position: the decoder layers of a
+    no-KV-cache decode step (recompute prompt + generated tokens)."""
+    def forward_layers(params, tokens):
+        return model.module.apply({"params": params}, tokens, method=_module().forward_hidden)
+    return forward_layers
+
+
+def head_fn(model):
+    """(params, hidden [1, D]) -> (token, logits [V]): final norm, LM head, greedy argmax."""
+    def head(params, hidden):
+        logits = model.module.apply({"params": params}, hidden, method=_module().lm_logits)[0]
+        return greedy(logits), logits
+    return head
+
+
+def onehot(ids, vocab: int) -> np.ndarray:
+    """Token ids -> float32 one-hot rows (how the client's tokens enter a secure program)."""
+    return np.asarray(jax.nn.one_hot(np.asarray(ids), vocab, dtype=jnp.float32))
+
+
+# ----- visibility ----------------------------------------------------------------------------------
+def broadcast_visibility(visibility, tree) -> list[str]:
+    """Flat list of SECRET/PUBLIC, one per leaf of `tree`, from a prefix pytree of flags."""
+    flags = jax.tree_util.tree_map(
+        lambda flag, sub: [flag] * len(jax.tree_util.tree_leaves(sub)), visibility, tree,
+        is_leaf=lambda x: x in (SECRET, PUBLIC))
+    flat = [f for group in jax.tree_util.tree_leaves(flags, is_leaf=lambda x: isinstance(x, list))
+            for f in group]
+    bad = sorted({f for f in flat if f not in (SECRET, PUBLIC)})
+    if bad:
+        raise ValueError(f"visibility flags must be {SECRET!r} or {PUBLIC!r}, got {bad}")
+    return flat
+
+
+def dependency_visibility(fn, args: tuple, visibility) -> Any:
+    """SECRET/PUBLIC for every output of `fn(*args)`: public only when it depends on public
+    inputs alone (dependency analysis of the jaxpr; sub-computations count as one op, so this
+    is conservative). `args` may hold jax.ShapeDtypeStruct leaves."""
+    flags = broadcast_visibility(visibility, args)
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    secret = {id(v) for v, f in zip(jaxpr.invars, flags) if f == SECRET}
+
+    def is_secret(v):
+        return not isinstance(v, jax.core.Literal) and id(v) in secret
+    for eqn in jaxpr.eqns:
+        if any(is_secret(v) for v in eqn.invars):
+            secret.update(id(v) for v in eqn.outvars)
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
+    return jax.tree_util.tree_unflatten(
+        out_tree, [SECRET if is_secret(v) else PUBLIC for v in jaxpr.outvars])
+
+
+def cache_visibility(cache) -> Any:
+    """SECRET for every cache leaf except token counters (`length`: public slot positions)."""
+    def flag(path, _leaf):
+        last = path[-1] if path else None
+        name = getattr(last, "name", getattr(last, "key", None))
+        return PUBLIC if name in PUBLIC_CACHE_FIELDS else SECRET
+    return jax.tree_util.tree_map_with_path(flag, cache)
+
+
+def shape_of(tree) -> Any:
+    """The ShapeDtypeStruct tree of `tree` (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+        if not isinstance(x, jax.ShapeDtypeStruct) else x, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrograms:
+    """The prefill and decode programs of one generation shape and their input visibility.
+
+    The decode program's cache visibility is the steady one: the prefill's outputs (masks of
+    kept slots derived from public counts stay public), with every leaf a decode step makes
+    secret made secret, until a step maps the visibility to itself.
+    """
+
+    model: Any                       # models.model.Model
+    policy: AttentionPolicy
+    prompt_len: int
+    max_new_tokens: int
+
+    @property
+    def capacity(self) -> int:
+        return self.prompt_len + self.max_new_tokens
+
+    @property
+    def vocab(self) -> int:
+        return self.model.cfg.vocab_size
+
+    @property
+    def prefill(self):
+        return prefill_fn(self.model, self.policy, self.max_new_tokens)
+
+    @property
+    def decode(self):
+        return decode_fn(self.model, self.policy)
+
+    def empty_cache(self):
+        return self.model.init_cache(self.capacity)
+
+    # prefill ------------------------------------------------------------------------------------
+    def prefill_args(self, params_shape) -> tuple:
+        return (params_shape, jax.ShapeDtypeStruct((self.prompt_len, self.vocab), jnp.float32),
+                shape_of(self.empty_cache()))
+
+    def prefill_visibility(self) -> tuple:
+        return (SECRET, SECRET, cache_visibility(self.empty_cache()))
+
+    def prefill_output_visibility(self, params_shape):
+        return dependency_visibility(self.prefill, self.prefill_args(params_shape),
+                                     self.prefill_visibility())
+
+    # decode -------------------------------------------------------------------------------------
+    def cache_example(self, params_shape):
+        """ShapeDtypeStruct tree of the policy's decode cache."""
+        return jax.eval_shape(self.prefill, *self.prefill_args(params_shape))[2]
+
+    def decode_args(self, params_shape) -> tuple:
+        return (params_shape, jax.ShapeDtypeStruct((self.vocab,), jnp.float32),
+                jax.ShapeDtypeStruct((), jnp.int32), self.cache_example(params_shape))
+
+    def decode_visibility(self, params_shape, start=None) -> tuple:
+        return (SECRET, SECRET, PUBLIC, self.steady_cache_visibility(params_shape, start))
+
+    def steady_cache_visibility(self, params_shape, start=None):
+        """start: the prefill's output cache visibility (default: by dependency analysis; a
+        backend passes its compiled prefill's)."""
+        args = self.decode_args(params_shape)
+        cache_example = args[3]
+        tree = jax.tree_util.tree_structure(cache_example)
+        if start is None:
+            start = self.prefill_output_visibility(params_shape)[2]
+        flags = broadcast_visibility(start, cache_example)
+        for _ in range(8):
+            out = dependency_visibility(self.decode, args, (
+                SECRET, SECRET, PUBLIC, jax.tree_util.tree_unflatten(tree, flags)))[2]
+            out_flags = broadcast_visibility(out, cache_example)
+            merged = [SECRET if SECRET in (a, b) else PUBLIC for a, b in zip(flags, out_flags)]
+            if merged == flags:
+                return jax.tree_util.tree_unflatten(tree, flags)
+            flags = merged
+        raise RuntimeError("cache visibility did not reach a fixed point")
