@@ -178,26 +178,16 @@ def bench_decode(FLAGS, out_path):
                                          mpc.SECRET, owner=mpc.CLIENT)
                     _, cost, wall = backend.run(prog, params_sh, toks)
                 else:
-                    cache = apply_policy(policy, dense, aux, NEW_SLOTS)
-                    example = jax.tree_util.tree_map(
-                        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
-                    # Which leaves are public: those the prefill derives from public data only
-                    # (masks of kept slots, counters), kept public through decode steps.
-                    pre_vis = mpc.dependency_visibility(
-                        lambda p, t, c: apply_policy_traced(policy, model, p, t, c),
-                        (params_shape,
-                         jax.ShapeDtypeStruct((T, cfgm.vocab_size), jnp.float32),
-                         model.init_cache(T + NEW_SLOTS)),
-                        (mpc.SECRET, mpc.SECRET, mpc.cache_visibility(model.init_cache(T + NEW_SLOTS))))
-                    vis = mpc.steady_cache_visibility(model, policy, params_shape, example,
-                                                      pre_vis)
-                    args = (params_shape, np.zeros((cfgm.vocab_size,), np.float32),
-                            np.int32(0), example)
+                    # The decode step's inputs and their visibility, as a session's (masks
+                    # of kept slots and counters derived from public data stay public).
+                    progs = mpc.StepPrograms(model, policy, T, NEW_SLOTS)
+                    vis = progs.decode_visibility(params_shape)
                     t0 = time.perf_counter()
-                    prog = backend.compile(mpc.decode_layers_fn(model, policy), args,
-                                           (mpc.SECRET, mpc.SECRET, mpc.PUBLIC, vis))
+                    prog = backend.compile(mpc.decode_layers_fn(model, policy),
+                                           progs.decode_args(params_shape), vis)
                     extra["compile_s"] = round(time.perf_counter() - t0, 2)
-                    cache_sh = backend.share(cache, vis, owner=mpc.CLIENT)
+                    cache = apply_policy(policy, dense, aux, NEW_SLOTS)
+                    cache_sh = backend.share(cache, vis[3], owner=mpc.CLIENT)
                     tok = backend.share(mpc.onehot(int(np.argmax(logits)), cfgm.vocab_size),
                                         mpc.SECRET, owner=mpc.CLIENT)
                     pos = backend.share(np.int32(T), mpc.PUBLIC)
@@ -212,11 +202,6 @@ def bench_decode(FLAGS, out_path):
     ratios = print_decode_ratios(records)
     write_jsonl(out_path.parent / "ratios.jsonl", ratios)
     return records
-
-
-def apply_policy_traced(policy, model, params, prompt_onehot, cache):
-    """Prefill + compress as one traceable function (visibility analysis only)."""
-    return mpc.prefill_fn(model, policy, NEW_SLOTS)(params, prompt_onehot, cache)[2]
 
 
 def _print_row(rec):

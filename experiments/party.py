@@ -27,6 +27,9 @@ flags.DEFINE_list("policies", None, "With --party=all: run the job once per poli
                   "the config's policy).")
 flags.DEFINE_bool("compare_sim", False, "With --party=all: also run each policy in spu_sim and "
                   "print simulated vs multi-process cost (mpcache_jax/distributed/compare.py).")
+flags.DEFINE_string("prompt_file", None, "The prompt owner's private prompt (text; wrapped in "
+                    "the model's chat template when job.chat). Default: the job's prompt_ids or "
+                    "job.seq_len random ids.")
 flags.DEFINE_bool("worker", False, "Internal: run the party itself (the default supervises it).")
 flags.mark_flags_as_required(["node_config", "party"])
 FLAGS = flags.FLAGS
@@ -55,19 +58,21 @@ def main(argv):
                 return 0
             for policy in FLAGS.policies or [None]:
                 job = {**overrides, **({"policy": policy} if policy else {})}
-                for record in run_loopback(FLAGS.node_config, FLAGS.output_dir, **job):
-                    print(json.dumps(record))
+                records = run_loopback(FLAGS.node_config, FLAGS.output_dir,
+                                       prompt_file=FLAGS.prompt_file, **job)
+                print(json.dumps(records[-1]))
             return 0
         config = load_node_config(FLAGS.node_config, party=who)
         if FLAGS.job:
             raise NodeConfigError("--job overrides are for --party=all only: every party must "
                                   "read the same job, so edit the node config instead")
         if not FLAGS.worker:
+            own = [f"--prompt_file={FLAGS.prompt_file}"] if FLAGS.prompt_file else []
             sys.exit(supervise(config, who, FLAGS.output_dir,
                                [sys.executable, "-m", "experiments.party", "--worker",
                                 f"--node_config={FLAGS.node_config}", f"--party={who}",
-                                f"--output_dir={FLAGS.output_dir}"]))
-        record = run_party(config, who, FLAGS.output_dir)
+                                f"--output_dir={FLAGS.output_dir}", *own]))
+        record = run_party(config, who, FLAGS.output_dir, prompt_file=FLAGS.prompt_file)
         if record is not None:
             print(json.dumps(record))
         # Leave now: the link's send threads may still retry a last acknowledgement to a peer

@@ -35,9 +35,11 @@ def run_nodes():
         for policy in FLAGS.policies:
             for seq_len in seq_lens:
                 extra = {"seq_len": seq_len} if seq_len is not None else {}
-                for r in run_loopback(FLAGS.node_config, FLAGS.output_dir, policy=policy, **job, **extra):
-                    print(f"{policy} seq_len={r.get('seq_len')}: tokens={r.get('tokens')} "
-                          f"comm_bytes={r.get('comm_bytes')} wall_s={r.get('wall_s')}")
+                summary = run_loopback(FLAGS.node_config, FLAGS.output_dir, policy=policy,
+                                       **job, **extra)[-1]
+                print(f"{policy} prompt={summary['prompt_tokens']} tokens={summary['tokens']} "
+                      f"decode bytes/token={summary.get('decode_comm_bytes_per_token')} "
+                      f"s/token={summary.get('decode_wall_s_per_token')}")
     except JobFailed as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(3)

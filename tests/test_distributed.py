@@ -21,7 +21,7 @@ import pytest
 from mpcache_jax.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_config,
                                      parse_node_config, run_loopback)
 from mpcache_jax.distributed import job as job_lib
-from mpcache_jax.distributed.compare import simulate_outputs
+from mpcache_jax.distributed.compare import simulate
 from mpcache_jax.distributed.launch import prepare_config, start_parties, wait_parties
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -58,44 +58,53 @@ def write(tmp_path: pathlib.Path, raw: dict, name: str = "nodes.json") -> pathli
 
 
 def reference(raw_job: dict):
+    """The job under XLA with the same session loop -> (tokens, logits per step)."""
     job = JobSpec(**raw_job)
-    return job_lib.plaintext_reference(job)
+    prompt_ids, _ = job_lib.load_prompt(job)
+    result = job_lib.plaintext_session(job, prompt_ids)
+    return np.asarray(result.tokens), np.stack(result.logits)
 
 
-def spu_sim_reference(raw_job: dict, protocol: str, parties: int):
-    """The same program under the in-process simulator (issue 5's spu_sim backend)."""
-    from mpcache_jax.mpc.config import MPCConfig
-    (tokens, logits), _, _ = simulate_outputs(JobSpec(**raw_job),
-                                              MPCConfig(protocol=protocol, parties=parties),
-                                              profile=False)
-    return tokens, logits
+def spu_sim_reference(path: pathlib.Path):
+    """The same job under the in-process simulator (spu_sim backend, same session loop)."""
+    [summary] = simulate(str(path), profile=False)
+    return np.asarray(summary["tokens"]), np.stack(summary["logits"])
 
 
 # ----- secure runs match the simulator and plaintext ---------------------------------------
 
 @pytest.mark.parametrize("parties,protocol", [(3, "ABY3"), (2, "SEMI2K")])
 def test_multiprocess_generation_matches_spu_sim_and_plaintext(tmp_path, parties, protocol):
-    path = write(tmp_path, node_config(parties, protocol))
-    [record] = run_loopback(path, tmp_path / "out", use_free_ports=True)
+    """16 tokens, one prefill and 15 decode programs per party with the KV cache resident in
+    each party's runtime between steps; tokens equal spu_sim's and plaintext's."""
+    raw = node_config(parties, protocol)
+    raw["job"]["max_new_tokens"] = 16
+    path = write(tmp_path, raw)
+    records = run_loopback(path, tmp_path / "out", use_free_ports=True)
     out = np.load(tmp_path / "out" / "outputs.npz")
-    sim_tokens, sim_logits = spu_sim_reference(TINY_JOB, protocol, parties)
-    xla_tokens, xla_logits = reference(TINY_JOB)
+    sim_tokens, sim_logits = spu_sim_reference(path)
+    xla_tokens, xla_logits = reference(raw["job"])
+    assert len(out["tokens"]) == 16
     # Fixed point (18 fraction bits) vs float32: logits agree to ~1e-2 on this tiny model.
     np.testing.assert_array_equal(out["tokens"], sim_tokens)
     np.testing.assert_array_equal(out["tokens"], xla_tokens)
     np.testing.assert_allclose(out["logits"], sim_logits, atol=2e-2)
     np.testing.assert_allclose(out["logits"], xla_logits, atol=5e-2)
-    assert record["tokens"] == xla_tokens.tolist()
-    assert record["protocol"] == protocol and record["parties"] == parties
-    assert len(record["per_party"]) == parties
-    # comm_bytes is the measured sum of every party's own sent bytes.
-    assert record["comm_bytes"] == sum(p["send_bytes"] for p in record["per_party"]) > 0
-    assert record["comm_bytes"] == sum(p["recv_bytes"] for p in record["per_party"])
-    assert record["messages"] == -(-sum(p["send_actions"] for p in record["per_party"])
-                                   // parties) > 0
-    for key in ("policy", "seq_len", "model", "wall_s", "lan_latency_s", "wan_latency_s",
-                "phase_breakdown"):
-        assert key in record
+    *steps, summary = records
+    assert summary["tokens"] == xla_tokens.tolist()
+    assert [s["phase"] for s in steps] == ["prefill"] + ["decode"] * 15
+    assert [s["position"] for s in steps[1:]] == list(range(32, 47))
+    for record in steps:
+        assert record["protocol"] == protocol and record["parties"] == parties
+        # comm_bytes is the measured sum of every party's own sent bytes (= received).
+        assert len(record["party_send_bytes"]) == parties
+        assert record["comm_bytes"] == sum(record["party_send_bytes"]) > 0
+        assert record["comm_bytes"] == sum(record["party_recv_bytes"])
+        for key in ("wall_s", "compute_s", "lan_latency_s", "wan_latency_s", "phase_breakdown"):
+            assert key in record
+    # Every decode step runs the same program (to within the link's framing bytes).
+    decode = [s["comm_bytes"] for s in steps[1:]]
+    assert max(decode) - min(decode) < 1e-3 * min(decode)
 
 
 # ----- faults -----------------------------------------------------------------------------
@@ -265,7 +274,7 @@ def test_tls_between_parties(tmp_path):
     parties = ["node:0", "node:1"]
     make_certs(tmp_path / "certs", parties)
     raw = node_config(2, "SEMI2K", tls=tls_section(parties))
-    [record] = run_loopback(write(tmp_path, raw), tmp_path / "out", use_free_ports=True)
+    record = run_loopback(write(tmp_path, raw), tmp_path / "out", use_free_ports=True)[-1]
     xla_tokens, _ = reference(TINY_JOB)
     assert record["tls"] is True
     assert record["tokens"] == xla_tokens.tolist()

@@ -152,11 +152,9 @@ def secure_vs_plain_decode(model, params, prompt, policy, protocol):
     for backend_name in ("xla", "spu_sim"):
         backend = mpc.make_backend(backend_name, mpc.MPCConfig(protocol=protocol))
         session = mpc.SecureSession(backend, model, params, policy)
-        cache = apply_policy(policy, dense, aux, 4)
-        example = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
-        vis = mpc.cache_visibility(cache)
-        shared = backend.share(cache, vis)
-        tok, logits_sh, _, cost, _ = session.decode(token, T, shared, example, vis)
+        _, decode, cache_vis = session.compile(session.programs(T, 4))
+        shared = backend.share(apply_policy(policy, dense, aux, 4), cache_vis)
+        tok, logits_sh, _, cost, _ = session.decode(decode, token, T, shared)
         out[backend_name] = (tok, np.asarray(backend.reveal(logits_sh)), cost)
     return out
 
@@ -204,18 +202,11 @@ def test_compiled_programs_reveal_nothing_and_positions_are_public(tiny):
     policy = tiny_policy("mpcache")
     backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"), profile=False)
     session = mpc.SecureSession(backend, model, params, policy)
-    T, cap = 32, 36
-    prefill = session.prefill_program(T, cap, 4)
-    cache_example = jax.eval_shape(mpc.prefill_fn(model, policy, 4), session._params_shape,
-                                   jax.ShapeDtypeStruct((T, 256), jnp.float32),
-                                   model.init_cache(cap))[2]
-    decode = session.decode_program(cache_example)
-    prefill_args = (session._params_shape, jax.ShapeDtypeStruct((T, 256), jnp.float32),
-                    model.init_cache(cap))
-    decode_args = (session._params_shape, jax.ShapeDtypeStruct((256,), jnp.float32),
-                   jax.ShapeDtypeStruct((), jnp.int32), cache_example)
-    for program, fn, args in ((prefill, mpc.prefill_fn(model, policy, 4), prefill_args),
-                              (decode, mpc.decode_fn(model, policy), decode_args)):
+    progs = session.programs(32, 4)
+    prefill, decode, _ = session.compile(progs)
+    ps = session._params_shape
+    for program, fn, args in ((prefill, progs.prefill, progs.prefill_args(ps)),
+                              (decode, progs.decode, progs.decode_args(ps))):
         assert mpc.secret_reveals(program.ir) == []
         outs = jax.tree_util.tree_unflatten(program.out_tree, program.out_visibility)
         assert outs[0] == mpc.SECRET and outs[1] == mpc.SECRET   # sampled token, logits
@@ -230,7 +221,7 @@ def test_compiled_programs_reveal_nothing_and_positions_are_public(tiny):
             if name.endswith((".k", ".v")) and ".new." not in name or ".extras" in name:
                 assert vis == mpc.SECRET, name
     # The decode position is a public input: a plain i32 argument in the compiled signature.
-    n_params = len(jax.tree_util.tree_leaves(session._params_shape))
+    n_params = len(jax.tree_util.tree_leaves(ps))
     assert decode.visibility[n_params + 1] == mpc.PUBLIC
     signature = next(line for line in decode.ir.splitlines() if "func.func @main" in line)
     assert f"%arg{n_params + 1}: tensor<i32>" in signature

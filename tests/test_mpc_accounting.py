@@ -4,7 +4,7 @@ SPU 0.9.5's ABY3 kernels make the parties send different amounts, with roles dra
 call, so one party's bytes vary from run to run; the sum over parties must not."""
 from __future__ import annotations
 
-import types
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -106,32 +106,20 @@ def test_cost_fields_sum_over_parties_and_model_the_network():
             "step", 0.1, {}, 0, 0, 0, 0, 2)])
 
 
-def test_multiprocess_record_has_the_simulator_fields():
+def test_parties_exchange_costs_as_data_and_combine_them_as_the_simulator():
+    """Each party sends its own RunCost as JSON data; the combined cost equals the
+    simulator's combination of the same profiles, and a malformed record is refused."""
     runs = {r.rank: r for r in mpc.parse_profile_log("\n".join(sum(blocks().values(), [])))}
-    party_costs = []
-    for rank, run in runs.items():     # what each party sends the prompt owner
-        own = costs.RunCost(run.name, run.exec_s, run.ops, run.send_bytes, run.recv_bytes,
-                            run.send_actions, run.recv_actions)
-        cost = {"party": f"node:{rank}", "rank": rank, "wall_s": 1.0 + rank,
-                "compute_s": own.exec_s, "send_bytes": own.send_bytes,
-                "recv_bytes": own.recv_bytes, "send_actions": own.send_actions,
-                "recv_actions": own.recv_actions, "setup_s": {}, "name": own.name,
-                "ops": {s: {op: [c.count, c.seconds, c.send_bytes, c.recv_bytes,
-                                 c.send_actions, c.recv_actions] for op, c in t.items()}
-                        for s, t in own.ops.items()}}
-        party_costs.append(cost)
-    config = types.SimpleNamespace(
-        job=types.SimpleNamespace(policy="full", seq_len=8, model="tiny", num_layers=1,
-                                  budget=1.0, max_new_tokens=1),
-        protocol="ABY3", world_size=3, id="test", link=types.SimpleNamespace(tls=None),
-        mpc=types.SimpleNamespace(runtime_json=lambda: {}))
-    record = node_costs.node_record(config, party_costs[::-1], [1])
-    sim = mpc.cost_fields(costs.combine_parties(runs.values()), 3.0, 3)
-    for key, value in sim.items():
-        if key != "party_attribution":
-            assert record[key] == value, key
-    assert record["wall_s"] == 3.0 and len(record["per_party"]) == 3
-    assert "comm_bytes_estimate" not in record and "ops" not in record["per_party"][0]
+    sent = [json.loads(json.dumps(node_costs.run_cost_to_json(runs[r]))) for r in (2, 0, 1)]
+    received = [node_costs.run_cost_from_json(v, f"node:{v['rank']}") for v in sent]
+    got = mpc.cost_fields(costs.combine_parties(received), 3.0, 3)
+    want = mpc.cost_fields(costs.combine_parties(runs.values()), 3.0, 3)
+    assert got.pop("party_attribution") == "own"       # each party parsed its own log
+    want.pop("party_attribution")
+    assert got == want
+    bad = dict(sent[0], link=["many", 0, 0, 0])
+    with pytest.raises(ValueError, match="party node:9 sent a malformed cost record"):
+        node_costs.run_cost_from_json(bad, "node:9")
 
 
 def test_same_program_reports_the_same_total_every_run_and_sent_equals_received():

@@ -1,13 +1,16 @@
 """Multi-process / multi-host secure runs from SPU-style node configs.
 
-config.py  node config dataclasses, JSON loader, validation (NodeConfigError)
-job.py     the public program (secure greedy generation) and each owner's private input
-party.py   one party: brpc link (optional mutual TLS), program distribution, sharing, run,
-           reveal to the prompt owner, per-party cost; PartyFailure names a failing peer
-costs.py   per-party profile -> the simulation benchmarks' JSONL record schema
-launch.py  loopback launcher: all parties as local processes (run_loopback), JobFailed
-supervise.py  the party's supervisor process (explains a worker the link layer ended)
-compare.py simulated (spu_sim) vs multi-process cost of the same job
+config.py        node config dataclasses, JSON loader, validation (NodeConfigError)
+job.py           the job's public side (model, policy, weight shapes) and each owner's input
+node_backend.py  one party behind the backend interface (compile and compare, typed sharing,
+                 resident shares, reveal to the owner only, public decisions)
+wire.py          typed messages between parties (no pickle), checked against expectations
+party.py         one party: brpc link (optional mutual TLS), the session's step programs,
+                 per-step costs; PartyFailure names a failing peer
+costs.py         per-party profiles as data; one record schema for spu_sim and spu_nodes
+launch.py        loopback launcher: all parties as local processes (run_loopback), JobFailed
+supervise.py     the party's supervisor process (explains a worker the link layer ended)
+compare.py       simulated (spu_sim) vs multi-process cost of the same job
 """
 from mpcache_jax.distributed.config import (JobSpec, LinkOptions, NodeConfig, NodeConfigError,
                                             TLSConfig, load_node_config, parse_node_config)

@@ -87,9 +87,11 @@ class JobSpec:
     """The public program every party agrees to run: secure generation of `max_new_tokens`
     greedy tokens after a `seq_len`-token prompt with `policy` on `model`.
 
-    `prompt_ids` (the prompt owner's private input) defaults to `seq_len` random ids drawn with
-    `prompt_seed`; `seed` draws random weights for random-weight models. `reveal_logits` also
-    opens the logits of each generated token to the prompt owner (tests; leaks more than tokens).
+    The prompt is the prompt owner's private input: a file given to its party only
+    (`--prompt_file`, wrapped in the chat template when `chat`), else `prompt_ids`, else
+    `seq_len` random ids drawn with `prompt_seed`; its length is public. `seed` draws random
+    weights for random-weight models. `reveal_logits` also opens the logits of each generated
+    token to the prompt owner (tests; leaks more than tokens).
     """
 
     model: str = "llama-tiny"
@@ -102,6 +104,7 @@ class JobSpec:
     seed: int = 0
     prompt_seed: int = 1
     prompt_ids: tuple[int, ...] | None = None
+    chat: bool = True
     reveal_logits: bool = False
     timeout_s: float = 600.0
 

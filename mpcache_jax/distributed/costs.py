@@ -1,71 +1,57 @@
-"""Per-party costs of a multi-process run, aggregated into the simulation benchmarks' schema.
+"""Costs of a secure generation in one record schema for every backend.
 
-Each party parses its OWN SPU profiling log (link totals, per-op counters and time of the
-secure run) and sends it, JSON-encoded, to the others; the prompt owner combines them with the
-simulator's code (`combine_parties`, `cost_fields` of issue 5), so both backends' records carry
-the same cost fields with the same definitions: comm_bytes = the sum of every party's sent
-bytes (checked equal to the sum received), per-party bytes / actions / compute in
-`party_*` fields, pphlo ops and phases summed over the parties.
+Each party of a multi-process run parses its OWN SPU profile of every program it runs and the
+parties exchange them (public numbers, as JSON: `run_cost_to_json` / `run_cost_from_json`);
+`mpc.costs.combine_parties` makes the run's RunCost exactly as the simulator does, so
+`generation_records` gives the same fields for `spu_sim` and `spu_nodes`: one record per step
+(prefill, decode at each position) with `mpc.cost_fields` (comm_bytes = bytes sent summed over
+the parties, per-party bytes / actions / compute, LAN/WAN model) and a summary record.
 """
 from __future__ import annotations
 
-import pathlib
+import numpy as np
 
-from mpcache_jax.mpc.costs import (OpCost, RunCost, combine_parties, cost_fields,
-                                   read_last_profile)
+from mpcache_jax.distributed import wire
+from mpcache_jax.mpc.costs import OpCost, RunCost, cost_fields
 
 
-def party_cost(log_path: pathlib.Path, offset: int, party: str, rank: int, wall_s: float,
-               world: int, setup_s: dict[str, float]) -> dict:
-    """This party's cost of the secure run from its own profile (JSON-able): its link totals,
-    execution time and per-op counters (`ops`: section -> op -> [count, seconds, sent bytes,
-    received bytes, send actions, recv actions]). `world` is unused (kept for callers)."""
-    del world
-    run = read_last_profile(log_path, offset)
-    return {"party": party, "rank": rank, "wall_s": round(wall_s, 4),
-            "compute_s": round(run.exec_s, 4), "send_bytes": run.send_bytes,
-            "recv_bytes": run.recv_bytes, "send_actions": run.send_actions,
-            "recv_actions": run.recv_actions,
-            "setup_s": {k: round(v, 4) for k, v in setup_s.items()},
-            "name": run.name,
+def run_cost_to_json(run: RunCost) -> dict:
+    """One party's RunCost as plain data."""
+    return {"rank": run.rank, "name": run.name, "exec_s": run.exec_s,
+            "link": [run.send_bytes, run.recv_bytes, run.send_actions, run.recv_actions],
             "ops": {section: {op: [c.count, c.seconds, c.send_bytes, c.recv_bytes,
                                    c.send_actions, c.recv_actions] for op, c in table.items()}
                     for section, table in run.ops.items()}}
 
 
-def party_run(cost: dict) -> RunCost:
-    """A party's RunCost back from its `party_cost` dict."""
-    ops = {section: {op: OpCost(int(v[0]), float(v[1]), *(int(x) for x in v[2:]))
-                     for op, v in table.items()}
-           for section, table in cost.get("ops", {}).items()}
-    return RunCost(cost.get("name", ""), float(cost["compute_s"]), ops, int(cost["send_bytes"]),
-                   int(cost["recv_bytes"]), int(cost["send_actions"]),
-                   int(cost["recv_actions"]), int(cost["rank"]))
+def run_cost_from_json(value: dict, sender: str) -> RunCost:
+    """A peer's RunCost back from `run_cost_to_json` data (a malformed one is a WireError)."""
+    try:
+        ops = {str(section): {str(op): OpCost(int(v[0]), float(v[1]),
+                                              *(int(x) for x in v[2:6]))
+                              for op, v in table.items()}
+               for section, table in value["ops"].items()}
+        sb, rb, sa, ra = (int(x) for x in value["link"])
+        return RunCost(str(value["name"]), float(value["exec_s"]), ops, sb, rb, sa, ra,
+                       int(value["rank"]))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        raise wire.WireError(sender, f"a malformed cost record ({err})") from None
 
 
-def node_record(config, party_costs: list[dict], tokens: list[int]) -> dict:
-    """One JSONL record in the simulation benchmarks' schema from every party's own cost:
-    `cost_fields` of the combined run (the simulator's definitions), with wall_s = the slowest
-    party's run time; `per_party` adds each party's wall and setup times."""
-    job = config.job
-    by_rank = sorted(party_costs, key=lambda c: c["rank"])
-    run = combine_parties([party_run(c) for c in by_rank])
-    wall_s = max(c["wall_s"] for c in by_rank)
-    return {
-        "backend": "spu_nodes",
-        "policy": job.policy,
-        "protocol": config.protocol,
-        "parties": config.world_size,
-        "seq_len": job.seq_len,
-        "model": job.model,
-        "num_layers": job.num_layers,
-        "budget": job.budget,
-        "max_new_tokens": job.max_new_tokens,
-        **cost_fields(run, wall_s, config.world_size),
-        "per_party": [{k: v for k, v in c.items() if k not in ("ops", "name")}
-                      for c in by_rank],
-        "tokens": tokens,
-        "node_config": config.id,
-        "tls": config.link.tls is not None,
-        "runtime_config": config.mpc.runtime_json(),
-    }
+def generation_records(result, *, backend: str, job, protocol: str, parties: int,
+                       prompt_len: int, **extra) -> list[dict]:
+    """Per-step cost records and a closing summary of one SecureGeneration."""
+    common = {"backend": backend, "policy": job.policy, "budget": job.budget,
+              "protocol": protocol, "parties": parties, "model": job.model,
+              "num_layers": job.num_layers, "prompt_tokens": prompt_len}
+    steps = [{**common, "phase": step.phase, "position": step.position,
+              **cost_fields(step.cost, step.wall_s, parties)}
+             for step in result.steps if step.cost is not None]
+    decode = [s for s in steps if s["phase"] == "decode"]
+    summary = {**common, "summary": True, "tokens": result.tokens,
+               "new_tokens": len(result.steps), "compile_s": round(result.compile_s, 3),
+               **{f"decode_{k}_per_token": float(np.mean([s[k] for s in decode]))
+                  for k in ("comm_bytes", "messages", "wall_s", "compute_s", "lan_total_s")
+                  if decode},
+               **extra}
+    return steps + [summary]

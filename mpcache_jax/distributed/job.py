@@ -1,56 +1,23 @@
-"""The public program of a node config's job: secure greedy generation with one policy.
+"""The public side of a node config's job and each owner's private input.
 
-`secure_generation(params, prompt)` runs prefill, the policy's compression and
-`max_new_tokens - 1` decode steps as ONE jax function, so SPU compiles it into one executable
-that every party runs. Weights and prompt are its only (secret) inputs; token counts and
-positions are static (public), so cache appends need no secret indexing.
+Every party builds the same model geometry and policy from the job (public); the model owner
+loads the weights, every other party only their shapes; the prompt owner loads its prompt (a
+private file, or `seq_len` random ids for benchmarks). The programs are the session's step
+programs (`mpcache_jax.programs`), run by `mpc.secure.SecureSession` on each party's
+`NodeBackend`; `plaintext_session` runs the same session on the XLA backend (the reference
+the tests compare the secure tokens and logits with).
 """
 from __future__ import annotations
 
-import dataclasses
+import pathlib
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from models import registry
 from models.model import Model
-from models.transformer import DecoderLM
-from mpcache_jax.policies import make_policy
-from mpcache_jax.policy import AttentionPolicy, PrefillAux
 from mpcache_jax.distributed.config import JobSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationProgram:
-    """Static description of the generation: model, policy and shapes (hashable, public)."""
-
-    model: Model
-    policy: AttentionPolicy
-    seq_len: int
-    max_new_tokens: int
-    with_logits: bool = False
-
-    def __call__(self, params: dict, prompt: jax.Array) -> tuple[jax.Array, ...]:
-        """params: the model's pytree; prompt: int32 [T]. Returns (tokens int32 [N],) or, with
-        `with_logits`, (tokens, logits [N, V]) where logits[i] produced tokens[i] (greedy)."""
-        module, T, N = self.model.module, self.seq_len, self.max_new_tokens
-        cache = self.model.init_cache(T + N)
-        logits, cache, queries = module.apply({"params": params}, prompt, cache,
-                                              self.policy.needs_queries, False,
-                                              method=DecoderLM.prefill)
-        state = self.policy.compress(cache, PrefillAux(queries=queries, prompt_len=T), N)
-        tokens, step_logits = [], []
-        for step in range(N):
-            token = jnp.argmax(logits).astype(jnp.int32)
-            tokens.append(token)
-            step_logits.append(logits)
-            if step + 1 < N:
-                logits, state = module.apply({"params": params}, token, jnp.int32(T + step),
-                                             state, self.policy, method=DecoderLM.decode)
-        if self.with_logits:
-            return jnp.stack(tokens), jnp.stack(step_logits)
-        return (jnp.stack(tokens),)
+from mpcache_jax.policies import make_policy
+from mpcache_jax.policy import AttentionPolicy
 
 
 def _frozen(value):
@@ -58,12 +25,17 @@ def _frozen(value):
     return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def build_program(job: JobSpec) -> GenerationProgram:
+def build(job: JobSpec) -> tuple[Model, AttentionPolicy]:
+    """The job's model geometry and configured policy (public: every party builds them)."""
     cfg = registry.get_config(job.model, num_layers=job.num_layers)
     options = {k: _frozen(v) for k, v in job.policy_options.items()}
-    policy = make_policy(job.policy, job.budget, **options)
-    return GenerationProgram(Model(cfg), policy, job.seq_len, job.max_new_tokens,
-                             with_logits=job.reveal_logits)
+    return Model(cfg), make_policy(job.policy, job.budget, **options)
+
+
+def weight_shapes(job: JobSpec):
+    """The weights' ShapeDtypeStruct tree (public; what a party without the weights passes)."""
+    model, _ = build(job)
+    return model.param_shapes()
 
 
 def load_weights(job: JobSpec) -> dict:
@@ -71,20 +43,34 @@ def load_weights(job: JobSpec) -> dict:
     return registry.load(job.model, num_layers=job.num_layers, seed=job.seed).params
 
 
-def load_prompt(job: JobSpec, vocab_size: int) -> np.ndarray:
-    """The prompt owner's private input: int32 [seq_len]."""
+def load_prompt(job: JobSpec, prompt_file: str | None = None) -> tuple[list[int], tuple[int, ...]]:
+    """The prompt owner's private input -> (token ids, stop ids). From `prompt_file` (text,
+    wrapped in the model's chat template when job.chat), else job.prompt_ids, else `seq_len`
+    random ids drawn with job.prompt_seed (benchmarks, models without a tokenizer)."""
+    vocab = registry.get_config(job.model).vocab_size
+    if prompt_file is not None:
+        path = pathlib.Path(prompt_file)
+        if not path.is_file():
+            raise ValueError(f"--prompt_file={prompt_file!r} is not a readable file")
+        tokenizer = registry.load(job.model, num_layers=job.num_layers).tokenizer
+        if tokenizer is None:
+            raise ValueError(f"model {job.model!r} has no tokenizer: give job.prompt_ids or "
+                             "job.seq_len random ids instead of a prompt file")
+        text = path.read_text()
+        ids = tokenizer.encode_chat(text) if job.chat else tokenizer.encode(text)
+        return ids, tuple(tokenizer.stop_ids)
     if job.prompt_ids is not None:
-        ids = np.asarray(job.prompt_ids, np.int32)
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            raise ValueError(f"job.prompt_ids must lie in [0, {vocab_size})")
-        return ids
-    return np.random.default_rng(job.prompt_seed).integers(0, vocab_size, job.seq_len,
-                                                           dtype=np.int32)
+        ids = [int(t) for t in job.prompt_ids]
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"job.prompt_ids must lie in [0, {vocab})")
+        return ids, ()
+    rng = np.random.default_rng(job.prompt_seed)
+    return rng.integers(0, vocab, job.seq_len).tolist(), ()
 
 
-def plaintext_reference(job: JobSpec) -> tuple[np.ndarray, np.ndarray]:
-    """The same program under XLA (tests compare the secure run against it)."""
-    program = dataclasses.replace(build_program(job), with_logits=True)
-    params = load_weights(job)
-    tokens, logits = jax.jit(program)(params, load_prompt(job, program.model.cfg.vocab_size))
-    return np.asarray(tokens), np.asarray(logits)
+def plaintext_session(job: JobSpec, prompt_ids, reveal_logits: bool = True):
+    """The job's generation under XLA with the same session loop (tests compare against it)."""
+    from mpcache_jax import mpc
+    model, policy = build(job)
+    session = mpc.SecureSession(mpc.make_backend("xla"), model, load_weights(job), policy)
+    return session.generate(prompt_ids, job.max_new_tokens, reveal_logits=reveal_logits)

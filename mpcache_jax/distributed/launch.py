@@ -98,16 +98,20 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def start_parties(config: NodeConfig, config_path: pathlib.Path, output_dir: pathlib.Path,
-                  env: dict | None = None) -> dict[str, subprocess.Popen]:
+                  env: dict | None = None, prompt_file: str | None = None
+                  ) -> dict[str, subprocess.Popen]:
     """Start one `experiments.party` process per party (own session, so it can be killed
-    with its children); stdout+stderr go to output_dir/party_<id>.log."""
+    with its children); stdout+stderr go to output_dir/party_<id>.log. `prompt_file` goes to
+    the prompt owner only."""
     procs = {}
     for pid in config.party_ids:
         tag = pid.replace(":", "_")
         logf = open(output_dir / f"party_{tag}.log", "w")
+        own = ([f"--prompt_file={prompt_file}"] if prompt_file and pid == config.prompt_owner
+               else [])
         procs[pid] = subprocess.Popen(
             [sys.executable, "-m", "experiments.party", f"--node_config={config_path}",
-             f"--party={pid}", f"--output_dir={output_dir}"],
+             f"--party={pid}", f"--output_dir={output_dir}", *own],
             cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, **(env or {})})
         logf.close()
@@ -155,8 +159,10 @@ def wait_parties(config: NodeConfig, procs: dict[str, subprocess.Popen],
 
 
 def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike | None = None,
-                 use_free_ports: bool = False, **job_overrides) -> list[dict]:
-    """Run a node config's job with every party as a local process -> [the aggregated record].
+                 use_free_ports: bool = False, prompt_file: str | None = None,
+                 **job_overrides) -> list[dict]:
+    """Run a node config's job with every party as a local process -> the prompt owner's new
+    records (one per generation step, then the summary).
 
     `job_overrides` replace keys of the config's "job" (policy=..., seq_len=..., budget=...).
     Raises NodeConfigError before starting anything if the config is malformed, JobFailed if
@@ -166,11 +172,11 @@ def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike |
     config, path = prepare_config(node_config, out, use_free_ports, **job_overrides)
     results = out / "results.jsonl"
     before = results.read_text().splitlines() if results.exists() else []
-    procs = start_parties(config, path, out)
+    procs = start_parties(config, path, out, prompt_file=prompt_file)
     wait_parties(config, procs, out, config.job.timeout_s)
     after = results.read_text().splitlines() if results.exists() else []
     new = [json.loads(line) for line in after[len(before):]]
-    if len(new) != 1:
-        raise JobFailed(f"all parties exited 0 but the prompt owner wrote {len(new)} records to "
+    if not new or not new[-1].get("summary"):
+        raise JobFailed(f"all parties exited 0 but the prompt owner wrote no summary record to "
                         f"{results}", config.prompt_owner, {})
     return new

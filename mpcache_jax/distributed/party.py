@@ -1,26 +1,28 @@
-"""One party of a secure run: link up, receive the program, share inputs, run, reveal, account.
+"""One party of a secure run: link up, compile, share, generate step by step, account.
 
 Every party runs `run_party(config, party_id)` (usually via `python -m experiments.party`).
-Sequence, identical on every host:
+Sequence, identical on every host (lockstep):
   1. brpc link to every other party (mutual TLS when the config gives certificates);
-  2. the MODEL_OWNER compiles the job's program with SPU and sends the serialized executable
-     to every party; all parties compare its SHA-256 (all run the same program);
-  3. the MODEL_OWNER secret-shares the weights, the PROMPT_OWNER the prompt, one message per
-     peer (weights never leave the model owner in the clear);
-  4. every party runs the executable on its shares;
-  5. output shares go to the PROMPT_OWNER only, who reconstructs the generated tokens;
-  6. parties exchange their own profiled cost (from their own SPU log); the PROMPT_OWNER
-     writes the aggregated record.
+  2. every party compiles the job's prefill and decode-step programs itself from the public
+     job and the parties compare their SHA-256 (a party never runs a program it did not
+     compile; `NodeBackend.compile` also refuses a program that reveals a secret mid-way);
+  3. the MODEL_OWNER secret-shares the weights once, one typed message per peer and weight;
+  4. the PROMPT_OWNER announces the prompt length (public) and shares its prompt; prefill
+     (with the policy's static eviction) runs, then one decode program per new token: the KV
+     cache stays secret-shared in every party's runtime between steps, each sampled token is
+     revealed to the prompt owner only (who streams it and feeds it back as a secret one-hot)
+     and the prompt owner decides, publicly, when to stop;
+  5. every step's profiled cost is exchanged (public); after every party confirmed success,
+     the PROMPT_OWNER writes results.jsonl and outputs.npz (atomically).
+Nothing received from a peer is deserialized into objects (`wire`: typed, checked messages).
 A peer that is dead, hung or unreachable ends this party within `link.peer_timeout_s` with a
 message naming it (Watchdog); link errors are explained by probing every peer (`blame`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
-import pickle
 import re
 import sys
 import time
@@ -254,141 +256,101 @@ def spu_log_path(output_dir: str | os.PathLike, party_id: str) -> pathlib.Path:
 
 # ----- the run ------------------------------------------------------------------------------
 
-def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike) -> dict | None:
-    """Run this party's side of the job. Returns the aggregated cost record on the prompt
-    owner (also written to `output_dir/results.jsonl`, tokens in `output_dir/outputs.npz`),
+def write_atomically(path: pathlib.Path, write) -> None:
+    """write(tmp_path), then rename over `path` (readers never see a partial file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
+              prompt_file: str | None = None) -> dict | None:
+    """Run this party's side of the job. Returns the summary record on the prompt owner (its
+    per-step records go to `output_dir/results.jsonl`, tokens to `output_dir/outputs.npz`),
     None elsewhere. Raises PartyFailure naming the peer when another party fails."""
-    import spu
-    from mpcache_jax.mpc.backends import SECRET, make_backend
+    from mpcache_jax.distributed.node_backend import NodeBackend
+    from mpcache_jax.mpc.backends import CLIENT
+    from mpcache_jax.mpc.secure import SecureSession
 
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path = spu_log_path(out, party_id)
     setup_spu_log(log_path)
-    rank, world = config.rank(party_id), config.world_size
     is_model, is_client = party_id == config.model_owner, party_id == config.prompt_owner
     job = config.job
-    program = job_lib.build_program(job)
+    if prompt_file is not None and not is_client:
+        raise ValueError(f"--prompt_file is the prompt owner's ({config.prompt_owner}) input")
+    model, policy = job_lib.build(job)
     t_start = time.perf_counter()
-
-    # 2. program: compiled by the model owner (it holds the weights' shapes and values), before
-    # the link is up so that peers wait in connection retries rather than in a receive.
-    if is_model:
-        params = job_lib.load_weights(job)
-        backend = make_backend("spu_sim", config.mpc, profile=False)
-        prompt_shape = np.zeros(job.seq_len, np.int32)
-        compiled = backend.compile(program, (params, prompt_shape), (SECRET, SECRET))
-        blob = compiled.executable.SerializeToString()
-        log(party_id, f"compiled the program in {time.perf_counter() - t_start:.1f} s")
-
-    if is_client:  # a bad private input fails here, before any peer waits on this party
-        prompt = job_lib.load_prompt(job, program.model.cfg.vocab_size)
+    # Private inputs first: a bad one fails here, before any peer waits on this party.
+    params = job_lib.load_weights(job) if is_model else job_lib.weight_shapes(job)
+    prompt_ids, stop_ids = job_lib.load_prompt(job, prompt_file) if is_client else (None, ())
 
     chan = connect(config, party_id)
     watchdog = Watchdog(config, party_id).start()
-    log(party_id, f"link up ({world} parties, {'TLS' if config.link.tls else 'plain TCP'})")
-    watchdog.stage = "program distribution"
-    if is_model:
-        for peer in config.party_ids:
-            if peer != party_id:
-                chan.send(peer, blob, "sending the compiled program")
-    else:
-        blob = chan.recv(config.model_owner, "receiving the compiled program")
-    digests = chan.all_gather(hashlib.sha256(blob).hexdigest(), "program check")
-    if len(set(digests)) != 1:
-        raise PartyFailure(None, "parties received different programs: "
-                                 f"{[d[:12] for d in digests]}")
-    executable = spu.Executable()
-    executable.ParseFromString(blob)
-    t_program = time.perf_counter()
-    log(party_id, f"program {digests[0][:12]} ({len(blob)} bytes)")
+    log(party_id, f"link up ({config.world_size} parties, "
+                  f"{'TLS' if config.link.tls else 'plain TCP'})")
+    backend = NodeBackend(config, party_id, chan, log_path)
 
-    watchdog.stage = "input sharing"
-    # 3. inputs: weights leaves (model owner) then the prompt (prompt owner).
-    runtime_cfg = config.mpc.runtime_config(profile=True)
-    io = spu.Io(world, runtime_cfg)
-    runtime = spu.Runtime(chan.ctx, runtime_cfg)
-    n_inputs = len(executable.input_names)
-    owners = [config.model_owner] * (n_inputs - 1) + [config.prompt_owner]
-    my_values = []
-    if is_model:
-        import jax
-        my_values = [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
-        if len(my_values) != n_inputs - 1:
-            raise PartyFailure(None, f"the program takes {n_inputs - 1} weight arrays, the model "
-                                     f"owner has {len(my_values)}")
-    if is_client:
-        my_values = [prompt]
-    my_names = [n for n, o in zip(executable.input_names, owners) if o == party_id]
-    if my_values:
-        per_peer = [[] for _ in range(world)]
-        for value in my_values:
-            shares = io.make_shares(value, spu.Visibility.VIS_SECRET, owner_rank=rank)
-            for r in range(world):
-                per_peer[r].append(shares[r])
-        for peer in config.party_ids:
-            if peer != party_id:
-                chan.send(peer, pickle.dumps(per_peer[config.rank(peer)]), "sending input shares")
-        for name, share in zip(my_names, per_peer[rank]):
-            runtime.set_var(name, share)
-    for owner in (config.model_owner, config.prompt_owner):
-        if owner == party_id:
-            continue
-        shares = pickle.loads(chan.recv(owner, f"receiving {owner}'s input shares"))
-        names = [n for n, o in zip(executable.input_names, owners) if o == owner]
-        if len(shares) != len(names):
-            raise PartyFailure(owner, f"party {owner} sent {len(shares)} input shares, the "
-                                      f"program expects {len(names)}")
-        for name, share in zip(names, shares):
-            runtime.set_var(name, share)
-    t_inputs = time.perf_counter()
-    log(party_id, "inputs shared; running")
-
-    # 4. the secure program.
-    watchdog.stage = "the secure run"
-    log_offset = log_path.stat().st_size if log_path.exists() else 0
-    t0 = time.perf_counter()
+    def stage(name):
+        watchdog.stage = backend.stage = name
     try:
-        runtime.run(executable)
+        stage("weight sharing")
+        session = SecureSession(backend, model, params, policy)
+        t_weights = time.perf_counter()
+        stage("prompt length")
+        T = backend.agree(len(prompt_ids) if is_client else None, owner=CLIENT)
+        check_prompt_length(config, model, T)
+        log(party_id, f"weights shared in {t_weights - t_start:.1f} s; prompt of {T} tokens")
+
+        def on_step(step, token):
+            stage(f"{step.phase} at position {step.position}")
+            if is_client:
+                log(party_id, f"token {token} ({step.phase}, {step.wall_s:.2f} s)")
+        stage("compilation")
+        result = session.generate(prompt_ids, job.max_new_tokens, prompt_len=T,
+                                  stop_ids=stop_ids, on_step=on_step,
+                                  reveal_logits=job.reveal_logits)
+        stage("confirming success")
+        # Results are reported only once every party has finished its side.
+        if not all(backend.exchange("done", True)):
+            raise PartyFailure(None, "a party did not confirm the end of the run")
     except RuntimeError as err:
-        raise explain_link_error(config, party_id, "the secure run", err) from None
-    run_s = time.perf_counter() - t0
-    log(party_id, f"secure run done in {run_s:.3f} s")
-
-    # 5. reveal to the prompt owner only.
-    watchdog.stage = "output reveal"
-    my_out = [runtime.get_var(name) for name in executable.output_names]
-    revealed = None
-    if is_client:
-        gathered = {party_id: my_out}
-        for peer in config.party_ids:
-            if peer != party_id:
-                gathered[peer] = pickle.loads(chan.recv(peer, "receiving output shares"))
-        revealed = [io.reconstruct([gathered[p][i] for p in config.party_ids])
-                    for i in range(len(my_out))]
-    else:
-        chan.send(config.prompt_owner, pickle.dumps(my_out), "sending output shares")
-
-    # 6. costs: each party's own profile, gathered everywhere, recorded by the prompt owner.
-    mine = costs.party_cost(log_path, log_offset, party_id, rank, run_s, world,
-                            setup_s={"link_and_program": t_program - t_start,
-                                     "input_sharing": t_inputs - t_program})
-    gathered_costs = [json.loads(b) for b in chan.all_gather(json.dumps(mine),
-                                                             "exchanging costs")]
+        if isinstance(err, PartyFailure):
+            raise
+        raise explain_link_error(config, party_id, watchdog.stage, err) from None
+    watchdog.stop()
     record = None
     if is_client:
-        tokens = np.asarray(revealed[0]).astype(np.int64)
-        arrays = {"tokens": tokens}
-        if job.reveal_logits:
-            arrays["logits"] = np.asarray(revealed[1])
-        np.savez(out / "outputs.npz", **arrays)
-        record = costs.node_record(config, gathered_costs, tokens.tolist())
-        with open(out / "results.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        log(party_id, f"tokens {tokens.tolist()}; record appended to {out / 'results.jsonl'}")
-    watchdog.stop()
+        records = costs.generation_records(
+            result, backend="spu_nodes", job=job, protocol=config.protocol,
+            parties=config.world_size, prompt_len=T, weights_s=round(t_weights - t_start, 3),
+            node_config=config.id, tls=config.link.tls is not None,
+            runtime_config=config.mpc.runtime_json())
+        record = records[-1]
+        arrays = {"tokens": np.asarray(result.tokens, np.int64)}
+        if result.logits is not None:
+            arrays["logits"] = np.stack(result.logits)
+        write_atomically(out / "outputs.npz", lambda p: np.savez(open(p, "wb"), **arrays))
+        results = out / "results.jsonl"
+        earlier = results.read_text() if results.exists() else ""
+        write_atomically(results, lambda p: p.write_text(
+            earlier + "".join(json.dumps(r) + "\n" for r in records)))
+        log(party_id, f"tokens {result.tokens}; {len(records)} records in {results}")
     # No stop_link: its shutdown messages race with peers that have already left, and a
     # failed send makes yacl end the process. Linger so in-flight acknowledgements complete,
     # then the caller exits the process (experiments.party uses os._exit).
     time.sleep(LINGER_S)
     return record
+
+
+def check_prompt_length(config: NodeConfig, model, prompt_len) -> None:
+    """Every party checks the announced (public) prompt length against the model and the job."""
+    job = config.job
+    if not isinstance(prompt_len, int) or prompt_len < 1:
+        raise PartyFailure(config.prompt_owner, f"party {config.prompt_owner} announced a "
+                                                f"prompt length of {prompt_len!r}")
+    if prompt_len + job.max_new_tokens > model.cfg.max_position:
+        raise PartyFailure(config.prompt_owner, f"a prompt of {prompt_len} tokens + "
+                           f"{job.max_new_tokens} new tokens exceeds the model's context of "
+                           f"{model.cfg.max_position}")

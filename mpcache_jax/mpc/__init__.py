@@ -8,24 +8,25 @@
     record = mpc.cost_fields(out.steps[-1].cost, out.steps[-1].wall_s, cfg.parties)
 
 Lower level: backend.compile(fn, args, visibility) / share / run / reveal, with the programs
-`decode_fn`, `prefill_fn`, `forward_fn` and `cache_visibility`; `secret_reveals(program.ir)`
+of `mpcache_jax.programs` (StepPrograms, decode_fn, prefill_fn, ...); `secret_reveals(program.ir)`
 lists any secret->public conversion inside a compiled program; `parse_profile_log` reads SPU's
 profiling log; `LAN` / `WAN` network profiles.
 """
-from mpcache_jax.mpc.backends import (BACKENDS, CLIENT, PUBLIC, SECRET, SERVER, Program, Shared,
-                                      SpuSimBackend, XLABackend, dependency_visibility,
-                                      make_backend)
+from mpcache_jax.mpc.backends import (BACKENDS, CLIENT, SERVER, Program, Shared, SpuSimBackend,
+                                      XLABackend, make_backend)
 from mpcache_jax.mpc.config import MPCConfig, MPCConfigError, from_json
 from mpcache_jax.mpc.costs import (LAN, WAN, NetworkProfile, RunCost, cost_fields,
                                    parse_profile_log, phase_breakdown)
-from mpcache_jax.mpc.secure import (SecureSession, cache_visibility, decode_fn,
-                                    decode_layers_fn, forward_fn, forward_layers_fn, head_fn, onehot, prefill_fn,
-                                    secret_reveals, steady_cache_visibility)
+from mpcache_jax.mpc.secure import SecureGeneration, SecureSession, StepCost, secret_reveals
+from mpcache_jax.programs import (PUBLIC, SECRET, StepPrograms, cache_visibility, decode_fn,
+                                  decode_layers_fn, dependency_visibility, forward_layers_fn,
+                                  head_fn, onehot, prefill_fn)
 
 __all__ = [
     "BACKENDS", "CLIENT", "PUBLIC", "SECRET", "SERVER", "Program", "Shared", "SpuSimBackend",
-    "XLABackend", "dependency_visibility", "make_backend", "MPCConfig", "MPCConfigError", "from_json", "LAN", "WAN",
-    "NetworkProfile", "RunCost", "cost_fields", "parse_profile_log", "phase_breakdown",
-    "SecureSession", "cache_visibility", "decode_fn", "decode_layers_fn", "forward_fn", "forward_layers_fn",
-    "head_fn", "onehot", "prefill_fn", "secret_reveals", "steady_cache_visibility",
+    "XLABackend", "dependency_visibility", "make_backend", "MPCConfig", "MPCConfigError",
+    "from_json", "LAN", "WAN", "NetworkProfile", "RunCost", "cost_fields", "parse_profile_log",
+    "phase_breakdown", "SecureGeneration", "SecureSession", "StepCost", "StepPrograms",
+    "cache_visibility", "decode_fn", "decode_layers_fn", "forward_layers_fn", "head_fn",
+    "onehot", "prefill_fn", "secret_reveals",
 ]

@@ -1,12 +1,14 @@
 """Backends that run one jittable function under a visibility spec: plaintext XLA or SPU.
 
-Both expose the same four calls, so the model/policy code path is shared:
+Every backend (also one party of a multi-process run, `mpcache_jax.distributed.NodeBackend`)
+exposes the same calls, so the programs and the session loop are shared:
 
     backend = make_backend("spu_sim", MPCConfig(protocol="ABY3"))     # or "xla"
     program = backend.compile(fn, example_args, visibility)   # visibility: pytree of SECRET/PUBLIC
     shared = backend.share(args, visibility, owner=CLIENT)     # secret-share inputs (per leaf)
-    outputs, cost = backend.run(program, shared_args...)       # outputs stay shared
-    values = backend.reveal(outputs)                           # reconstruct (to the output owner)
+    outputs, cost, wall = backend.run(program, shared_args...) # outputs stay shared
+    values = backend.reveal(outputs, to=CLIENT)                # reconstruct (for the owner)
+    flag = backend.agree(value, owner=CLIENT)                  # the owner's public decision
 
 `visibility` has the structure of the argument pytree (a prefix is enough: one flag for a
 whole subtree). `run` returns a `RunCost` of the whole run (every party's SPU profile,
@@ -31,44 +33,13 @@ import numpy as np
 
 from mpcache_jax.mpc.config import MPCConfig
 from mpcache_jax.mpc.costs import RunCost, party_executable_name, read_run_profiles
+from mpcache_jax.programs import (PUBLIC, SECRET, broadcast_visibility,
+                                  dependency_visibility)
 
-SECRET = "secret"
-PUBLIC = "public"
 # Input owners (hints only: SPU may co-locate a share with its owner).
 SERVER = 0   # holds the weights
 CLIENT = 1   # holds the prompt and receives the sampled tokens
 BACKENDS = ("xla", "spu_sim")
-
-
-def broadcast_visibility(visibility, tree) -> list[str]:
-    """Flat list of SECRET/PUBLIC, one per leaf of `tree`, from a prefix pytree of flags."""
-    flags = jax.tree_util.tree_map(
-        lambda flag, sub: [flag] * len(jax.tree_util.tree_leaves(sub)), visibility, tree,
-        is_leaf=lambda x: x in (SECRET, PUBLIC))
-    flat = [f for group in jax.tree_util.tree_leaves(flags, is_leaf=lambda x: isinstance(x, list))
-            for f in group]
-    bad = sorted({f for f in flat if f not in (SECRET, PUBLIC)})
-    if bad:
-        raise ValueError(f"visibility flags must be {SECRET!r} or {PUBLIC!r}, got {bad}")
-    return flat
-
-
-def dependency_visibility(fn: Callable, args: tuple, visibility) -> Any:
-    """SECRET/PUBLIC for every output of `fn(*args)`: public only when it depends on public
-    inputs alone (dependency analysis of the jaxpr; sub-computations count as one op, so this
-    is conservative). `args` may hold jax.ShapeDtypeStruct leaves."""
-    flags = broadcast_visibility(visibility, args)
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    secret = {id(v) for v, f in zip(jaxpr.invars, flags) if f == SECRET}
-
-    def is_secret(v):
-        return not isinstance(v, jax.core.Literal) and id(v) in secret
-    for eqn in jaxpr.eqns:
-        if any(is_secret(v) for v in eqn.invars):
-            secret.update(id(v) for v in eqn.outvars)
-    out_tree = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
-    return jax.tree_util.tree_unflatten(
-        out_tree, [SECRET if is_secret(v) else PUBLIC for v in jaxpr.outvars])
 
 
 @dataclasses.dataclass
@@ -82,6 +53,7 @@ class Program:
     executable: Any = None
     ir: str = ""
     out_visibility: list = dataclasses.field(default_factory=list)
+    out_shapes: list = dataclasses.field(default_factory=list)   # ShapeDtypeStruct per output
 
 
 @dataclasses.dataclass(eq=False)
@@ -169,8 +141,13 @@ class XLABackend:
         jax.block_until_ready(out)
         return out, None, time.perf_counter() - start
 
-    def reveal(self, tree):
+    def reveal(self, tree, to: int | None = None):
+        del to
         return jax.tree_util.tree_map(np.asarray, tree)
+
+    def agree(self, value, owner: int):
+        del owner
+        return value
 
 
 class SpuSimBackend:
@@ -215,23 +192,7 @@ class SpuSimBackend:
 
     # ----- compile --------------------------------------------------------------------------
     def compile(self, fn: Callable, args: tuple, visibility) -> Program:
-        from spu.utils import frontend as spu_fe
-        flat, in_tree = jax.tree_util.tree_flatten(args)
-        vis = broadcast_visibility(visibility, args)
-        spu_vis = [self.libspu.Visibility.VIS_SECRET if v == SECRET
-                   else self.libspu.Visibility.VIS_PUBLIC for v in vis]
-        name = getattr(fn, "__name__", "fn")
-
-        def flat_fn(*leaves):
-            return fn(*jax.tree_util.tree_unflatten(in_tree, leaves))
-        flat_fn.__name__ = name
-        flat = [np.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x for x in flat]
-        executable, out_info = spu_fe.compile(
-            spu_fe.Kind.JAX, flat_fn, flat, {}, [f"{name}_in{i}" for i in range(len(flat))],
-            spu_vis, lambda outs: [f"{name}_out{i}" for i in range(len(outs))])
-        ir = executable.code.decode("utf-8")
-        return Program(name, in_tree, jax.tree_util.tree_structure(out_info), vis, executable,
-                       ir, output_visibility(ir))
+        return compile_spu(fn, args, visibility)
 
     # ----- data -----------------------------------------------------------------------------
     def _handle(self, shape, dtype, visibility) -> Shared:
@@ -281,10 +242,17 @@ class SpuSimBackend:
     def _reconstruct(self, handle: Shared):
         return self.io.reconstruct(self.parties.call(lambda rank, rt: rt.get_var(handle.name)))
 
-    def reveal(self, tree):
-        """Reconstruct every Shared leaf (in a deployment: only the output owner does this)."""
+    def reveal(self, tree, to: int | None = None):
+        """Reconstruct every Shared leaf (in a deployment only `to`, the output owner, gets
+        the value; the simulator plays every party)."""
+        del to
         return jax.tree_util.tree_map(self._reconstruct, tree,
                                       is_leaf=lambda x: isinstance(x, Shared))
+
+    def agree(self, value, owner: int):
+        """A public decision of `owner` (the simulator plays every party)."""
+        del owner
+        return value
 
     # ----- run ------------------------------------------------------------------------------
     def run(self, program: Program, *args):
@@ -319,6 +287,29 @@ class SpuSimBackend:
 
     def _read_cost(self, offset: int) -> RunCost:
         return read_run_profiles(self._log_path, offset, self.world, timeout_s=10.0)
+
+
+def compile_spu(fn: Callable, args: tuple, visibility) -> Program:
+    """SPU executable of `fn` for example `args` (arrays or ShapeDtypeStructs) whose leaves
+    have the given visibility; the output visibility is read from the compiled module."""
+    import spu.libspu as libspu
+    from spu.utils import frontend as spu_fe
+    flat, in_tree = jax.tree_util.tree_flatten(args)
+    vis = broadcast_visibility(visibility, args)
+    spu_vis = [libspu.Visibility.VIS_SECRET if v == SECRET else libspu.Visibility.VIS_PUBLIC
+               for v in vis]
+    name = getattr(fn, "__name__", "fn")
+
+    def flat_fn(*leaves):
+        return fn(*jax.tree_util.tree_unflatten(in_tree, leaves))
+    flat_fn.__name__ = name
+    flat = [np.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x for x in flat]
+    executable, out_info = spu_fe.compile(
+        spu_fe.Kind.JAX, flat_fn, flat, {}, [f"{name}_in{i}" for i in range(len(flat))],
+        spu_vis, lambda outs: [f"{name}_out{i}" for i in range(len(outs))])
+    ir = executable.code.decode("utf-8")
+    return Program(name, in_tree, jax.tree_util.tree_structure(out_info), vis, executable, ir,
+                   output_visibility(ir), jax.tree_util.tree_leaves(jax.eval_shape(fn, *args)))
 
 
 def output_visibility(ir: str) -> list[str]:

@@ -1,0 +1,240 @@
+"""What parties send each other: typed messages checked against what the receiver expects.
+
+Parties do not trust each other, so nothing received is ever deserialized into objects that
+can run code (no pickle). A message is
+
+    4-byte big-endian header length | UTF-8 JSON header | payload bytes
+
+with the header naming the message's kind and name and describing the payload exactly:
+
+- "share": one party's share of one value: the SPU value meta (a small protobuf) and its
+  chunks. The receiver checks name, shape, dtype, visibility and storage type (decoded from
+  the meta by a minimal protobuf reader) and the byte size of every chunk against the value it
+  expects (the compiled program's input, or the output it asked for), before SPU sees a byte.
+- "json": a small public control message (a decision, a digest, a cost record) parsed with
+  `json` (data only) and checked by the caller.
+
+Anything else (another kind, another name, a wrong shape or dtype, extra or missing bytes, an
+oversized header) raises `WireError` naming the sender.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+MAX_HEADER_BYTES = 1 << 16
+MAX_JSON_BYTES = 1 << 24
+# Bytes per element of one party's share, by SPU storage type (field FM64 / FM128). A chunk
+# proto adds a few bytes of framing, allowed by CHUNK_OVERHEAD.
+CHUNK_OVERHEAD = 16
+
+
+class WireError(ValueError):
+    """A peer sent a message that is not what this party expects; `party` names the sender."""
+
+    def __init__(self, party: str, message: str):
+        super().__init__(f"party {party} sent {message}")
+        self.party = party
+
+
+# ----- framing -----------------------------------------------------------------------------------
+def pack(header: dict, payload: bytes = b"") -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return struct.pack(">I", len(head)) + head + payload
+
+
+def unpack(message: bytes, sender: str) -> tuple[dict, memoryview]:
+    if not isinstance(message, (bytes, bytearray, memoryview)) or len(message) < 4:
+        raise WireError(sender, "a message without a header")
+    size = struct.unpack(">I", bytes(message[:4]))[0]
+    if size > MAX_HEADER_BYTES or 4 + size > len(message):
+        raise WireError(sender, f"a message header of {size} bytes (at most "
+                                f"{MAX_HEADER_BYTES}, message {len(message)} bytes)")
+    try:
+        header = json.loads(bytes(message[4:4 + size]).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(sender, f"an unreadable message header ({err})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+        raise WireError(sender, "a message header that is not a JSON object with a 'kind'")
+    return header, memoryview(message)[4 + size:]
+
+
+# ----- SPU value meta (protobuf ValueMetaProto: 1 data_type, 3 visibility, 4 shape, 5 storage) -----
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
+    """(field number, wire type, value) of a protobuf message: varints and length-delimited
+    fields only (what SPU's value metas use); anything else is an error."""
+    out, pos = [], 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            if pos + size > len(buf):
+                raise ValueError("truncated field")
+            value, pos = bytes(buf[pos:pos + size]), pos + size
+        else:
+            raise ValueError(f"unexpected wire type {wire}")
+        out.append((field, wire, value))
+    return out
+
+
+def parse_meta(meta: bytes) -> dict:
+    """{"data_type", "visibility", "shape", "storage"} of a serialized SPU value meta."""
+    info = {"data_type": 0, "visibility": 0, "shape": (), "storage": ""}
+    for field, wire, value in _fields(meta):
+        if field == 1 and wire == 0:
+            info["data_type"] = value
+        elif field == 3 and wire == 0:
+            info["visibility"] = value
+        elif field == 4 and wire == 2:
+            dims = []
+            for sub, sub_wire, sub_value in _fields(value):
+                if sub != 1:
+                    continue
+                if sub_wire == 2:        # packed
+                    pos = 0
+                    while pos < len(sub_value):
+                        dim, pos = _varint(sub_value, pos)
+                        dims.append(dim)
+                else:
+                    dims.append(sub_value)
+            info["shape"] = tuple(dims)
+        elif field == 5 and wire == 2:
+            info["storage"] = value.decode("ascii", "replace")
+    return info
+
+
+def chunk_content_size(chunk: bytes) -> int:
+    """Bytes of content in a serialized SPU value chunk (field 3)."""
+    return sum(len(v) for f, w, v in _fields(chunk) if f == 3 and w == 2)
+
+
+# ----- shares ------------------------------------------------------------------------------------
+class ShareSpec:
+    """What a share must look like: name, shape, SPU data type, visibility, storage type and
+    the exact number of content bytes of its chunks."""
+
+    def __init__(self, name: str, meta: bytes, content_bytes: int, shape=None):
+        ref = parse_meta(meta)
+        self.name = name
+        self.shape = tuple(int(n) for n in (ref["shape"] if shape is None else shape))
+        self.data_type, self.visibility, self.storage = (ref["data_type"], ref["visibility"],
+                                                         ref["storage"])
+        self.content_bytes = int(content_bytes)
+
+    @classmethod
+    def for_input(cls, name: str, shape, reference_meta: bytes, bytes_per_element: int):
+        """An input of `shape` whose one-element reference share has this meta and content."""
+        numel = int(np.prod(tuple(shape), dtype=np.int64))
+        return cls(name, reference_meta, numel * bytes_per_element, shape)
+
+    @classmethod
+    def like(cls, name: str, share):
+        """A peer's share of the value this party holds `share` of (same program and
+        protocol: the same meta and content size)."""
+        content = sum(chunk_content_size(bytes(c)) for c in share.share_chunks)
+        return cls(name, bytes(share.meta), content)
+
+
+def encode_share(name: str, share) -> bytes:
+    """One libspu.Share as a typed message."""
+    chunks = [bytes(c) for c in share.share_chunks]
+    meta = bytes(share.meta)
+    header = {"kind": "share", "name": name, "meta": len(meta), "chunks": [len(c) for c in chunks]}
+    return pack(header, meta + b"".join(chunks))
+
+
+def decode_share(message: bytes, spec: ShareSpec, sender: str):
+    """The libspu.Share in `message`, after checking it against `spec` (else WireError)."""
+    import spu.libspu as libspu
+    header, payload = unpack(message, sender)
+    if header.get("kind") != "share" or header.get("name") != spec.name:
+        raise WireError(sender, f"{header.get('kind')!r} {header.get('name')!r} where the share "
+                                f"of {spec.name!r} was expected")
+    meta_len, chunk_lens = header.get("meta"), header.get("chunks")
+    if (not isinstance(meta_len, int) or not isinstance(chunk_lens, list) or
+            not all(isinstance(n, int) and n >= 0 for n in chunk_lens) or meta_len < 0 or
+            meta_len + sum(chunk_lens) != len(payload)):
+        raise WireError(sender, f"a share of {spec.name!r} whose sizes do not add up")
+    meta = bytes(payload[:meta_len])
+    try:
+        info = parse_meta(meta)
+    except ValueError as err:
+        raise WireError(sender, f"an unreadable value meta for {spec.name!r} ({err})") from None
+    want = (spec.shape, spec.data_type, spec.visibility, spec.storage)
+    got = (info["shape"], info["data_type"], info["visibility"], info["storage"])
+    if got != want:
+        raise WireError(sender, f"a share of {spec.name!r} with (shape, data type, visibility, "
+                                f"storage) {got}, expected {want}")
+    chunks, pos = [], meta_len
+    for n in chunk_lens:
+        chunks.append(bytes(payload[pos:pos + n]))
+        pos += n
+    try:
+        content = sum(chunk_content_size(c) for c in chunks)
+    except ValueError as err:
+        raise WireError(sender, f"an unreadable chunk of {spec.name!r} ({err})") from None
+    if content != spec.content_bytes or sum(chunk_lens) > content + CHUNK_OVERHEAD * len(chunks):
+        raise WireError(sender, f"{content} bytes of share content for {spec.name!r}, expected "
+                                f"{spec.content_bytes}")
+    share = libspu.Share()
+    share.meta = meta
+    share.share_chunks = chunks
+    return share
+
+
+# ----- public control messages ----------------------------------------------------------------------
+def encode_json(name: str, value) -> bytes:
+    body = json.dumps(value, separators=(",", ":")).encode()
+    return pack({"kind": "json", "name": name, "size": len(body)}, body)
+
+
+def decode_json(message: bytes, name: str, sender: str):
+    header, payload = unpack(message, sender)
+    if header.get("kind") != "json" or header.get("name") != name:
+        raise WireError(sender, f"{header.get('kind')!r} {header.get('name')!r} where the "
+                                f"message {name!r} was expected")
+    if len(payload) != header.get("size") or len(payload) > MAX_JSON_BYTES:
+        raise WireError(sender, f"a {name!r} message of {len(payload)} bytes")
+    try:
+        return json.loads(bytes(payload).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(sender, f"an unreadable {name!r} message ({err})") from None
+
+
+def json_text(name: str, value) -> str:
+    """A named JSON value as text (for the link's all-gather of strings)."""
+    return json.dumps({"name": name, "value": value}, separators=(",", ":"))
+
+
+def from_json_text(text, name: str, sender: str):
+    """The value of `json_text(name, value)` from `sender`, checked (else WireError)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    if not isinstance(text, str) or len(text) > MAX_JSON_BYTES:
+        raise WireError(sender, f"a {name!r} message that is not bounded text")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise WireError(sender, f"an unreadable {name!r} message ({err})") from None
+    if not isinstance(obj, dict) or obj.get("name") != name or "value" not in obj:
+        raise WireError(sender, f"{str(obj)[:80]!r} where the message {name!r} was expected")
+    return obj["value"]
