@@ -199,10 +199,12 @@ def aggregate(sample_records, FLAGS):
     commit = common.git_commit()
     out = []
     for (task, policy, budget), records in groups.items():
-        means = {field: float(np.mean([r.get(field, np.nan) for r in records]))
-                 for field in FIDELITY_FIELDS}
-        out.append({"task": task, "policy": policy, "budget": budget, **means, "n": len(records),
-                    "model": FLAGS.model, "git_commit": commit, "config": config})
+        ran = [r for r in records if "skipped" not in r]
+        means = {field: float(np.mean([r.get(field, np.nan) for r in ran])) if ran else
+                 float("nan") for field in FIDELITY_FIELDS}
+        out.append({"task": task, "policy": policy, "budget": budget, **means, "n": len(ran),
+                    "skipped": len(records) - len(ran), "model": FLAGS.model,
+                    "git_commit": commit, "config": config})
     return out
 
 
@@ -236,7 +238,7 @@ def write_csv(rows: list[dict], columns: list[str], path) -> None:
 
 def write_summary(results, path):
     rows = sorted(results, key=lambda r: (r["task"], r["policy"], str(r["budget"])))
-    write_csv(rows, ["task", "policy", "budget", *FIDELITY_FIELDS, "n"], path)
+    write_csv(rows, ["task", "policy", "budget", *FIDELITY_FIELDS, "n", "skipped"], path)
 
 
 METRIC_LABELS = {"score": "score", "agree": "greedy agreement with full",
@@ -335,7 +337,8 @@ def plot_needle_heatmaps(sample_records, path):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for i, depth in enumerate(depths):
             for j, length in enumerate(lengths):
-                scores = [r["score"] for r in sample_records if r["policy"] == policy and
+                scores = [r["score"] for r in sample_records if "skipped" not in r and
+                          r["policy"] == policy and
                           r["budget"] == budget and r["depth"] == depth and r["length"] == length]
                 if scores:
                     grid[i, j] = np.mean(scores)
@@ -390,7 +393,8 @@ def run(FLAGS) -> None:
             all_records.extend(records)
             means = collections.defaultdict(list)
             for r in records:
-                means[f"{r['policy']}@{r['budget']}"].append(r["score"])
+                if "skipped" not in r:
+                    means[f"{r['policy']}@{r['budget']}"].append(r["score"])
             bar.update()
             bar.set_postfix({k: f"{np.mean(v):.2f}" for k, v in list(means.items())[:4]})
         compiled.update({k: v - before[k] for k, v in compilations().items()})

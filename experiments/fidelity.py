@@ -144,6 +144,17 @@ def mechanism(model, params, policy, dense, aux, logits, start_pos: int, ref: Re
     return out
 
 
+def check_policy(policy, prompt_len: int, aux) -> None:
+    """Raise ValueError when the policy's configuration cannot serve this prompt length (e.g.
+    a budget smaller than its always-selected clusters) or this bucket."""
+    check = getattr(policy, "check_prompt", None)
+    if check is not None:
+        check(prompt_len)
+    check = getattr(policy, "check_bucketed", None)
+    if check is not None and aux.length is not None:
+        check(prompt_len, aux.min_length, aux.prompt_len)
+
+
 def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_tokens: int,
                       with_mechanism: bool, bucket: tuple[int, int] | None = None) -> list[dict]:
     """Every (label, budget, policy) on one prefill of `sample` -> one record each.
@@ -173,6 +184,14 @@ def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_to
     records = []
     for label, budget, policy in policies:
         start = time.perf_counter()
+        base = {"task": sample.task, "sample_id": sample.sample_id, "policy": label,
+                "budget": budget, "metric": sample.metric, "prompt_tokens": T,
+                "answers": sample.answers, "full_score": ref_score, **sample.meta}
+        try:
+            check_policy(policy, T, aux)
+        except ValueError as err:   # this configuration cannot serve this prompt length
+            records.append({**base, "skipped": str(err)})
+            continue
         if policy is FULL or policy.name == "full":
             result = {"score": ref_score, "output": ref_text, "agree": 1.0, "agree_prefix": 1.0,
                       "kl": 0.0}
@@ -189,10 +208,7 @@ def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_to
                 result = {"score": metrics.score(sample.metric, text, sample.answers),
                           "output": text, "agree": run["agree"],
                           "agree_prefix": run["agree_prefix"], "kl": run["kl"]}
-        record = {"task": sample.task, "sample_id": sample.sample_id, "policy": label,
-                  "budget": budget, "metric": sample.metric, "prompt_tokens": T,
-                  "answers": sample.answers, "full_score": ref_score, **result,
-                  "decode_s": round(time.perf_counter() - start, 3), **sample.meta}
+        record = {**base, **result, "decode_s": round(time.perf_counter() - start, 3)}
         if (with_mechanism and sample.answer_spans and not forced and
                 analysis.supports_mechanism(policy)):
             record["mechanism"] = mechanism(model, params, policy, dense, aux, logits, T, ref,

@@ -66,6 +66,9 @@ def apply_policy(policy: AttentionPolicy, cache, aux: PrefillAux, max_new_tokens
         check = getattr(policy, "check_prompt", None)
         if check is not None:
             check(int(aux.length))
+        check = getattr(policy, "check_bucketed", None)
+        if check is not None:
+            check(int(aux.length), aux.min_length, aux.prompt_len)
     out = compress_cache(policy, cache, aux, max_new_tokens)
     in_leaves = {id(x) for x in jax.tree_util.tree_leaves(cache)}
     if any(id(x) in in_leaves for x in jax.tree_util.tree_leaves(out)):

@@ -25,7 +25,7 @@ def tiny():
 _run = teacher_forced_logits
 
 
-@pytest.mark.parametrize("similarity", ["alpha", "mp", "avg"])
+@pytest.mark.parametrize("similarity", ["exact", "alpha", "mp", "avg"])
 def test_full_budget_equals_full_attention(tiny, similarity):
     model, params, tokens = tiny
     want, _ = _run(model, params, tokens, make_policy("full"), 120, 6)
@@ -37,7 +37,7 @@ def test_full_budget_equals_full_attention(tiny, similarity):
 def test_budget_changes_output_and_is_respected(tiny):
     model, params, tokens = tiny
     want, _ = _run(model, params, tokens, make_policy("full"), 120, 4)
-    policy = make_policy("mpcache", 24, static_keep=64, **SMALL_LEVELS)
+    policy = make_policy("mpcache", 24, static=True, static_keep=64, **SMALL_LEVELS)
     got, cache = _run(model, params, tokens, policy, 120, 4)
     assert np.abs(got - want).max() > 1e-4  # eviction really happened
     layer = cache[0]
@@ -62,7 +62,7 @@ def test_static_eviction_keeps_most_attended_tokens():
     k[0, 7] = [0, 10, 0, 0]
     q = np.zeros((1, T, d), np.float32)
     q[0, -2:] = [1, 1, 0, 0]
-    policy = MPCache(budget=3, static_keep=3, dynamic=False, static_window=0.2)
+    policy = MPCache(budget=3, static=True, static_keep=3, dynamic=False, static_window=0.2)
     scores, _ = policy.keep_scores(0, jnp.asarray(q), jnp.asarray(k), Extent(T, T), None)
     keep = P.topk_mask(scores, 3)
     assert set(np.flatnonzero(np.asarray(keep)).tolist()) == {3, 7, 0}  # tie at 0 -> lowest index
@@ -76,7 +76,7 @@ def test_cluster_static_eviction_keeps_whole_clusters():
     k[0, 9] = [10, 0, 0, 0]
     q = np.zeros((1, T, d), np.float32)
     q[0, -3:] = [1, 0, 0, 0]
-    policy = MPCache(budget=10, dynamic=False, static_cluster=4, static_window=3,
+    policy = MPCache(budget=10, static=True, dynamic=False, static_cluster=4, static_window=3,
                      static_sinks=1, static_recent=1)
     count = policy.kept_count(T)
     assert count == 4 + 4 + 2              # two whole clusters and the partial last one
@@ -87,7 +87,7 @@ def test_cluster_static_eviction_keeps_whole_clusters():
 
 def test_model_scope_keeps_one_set_for_all_layers(tiny):
     model, params, tokens = tiny
-    policy = make_policy("mpcache", 40, dynamic=False, static_scope="model",
+    policy = make_policy("mpcache", 40, static=True, dynamic=False, static_scope="model",
                          static_cluster=4, static_window=8, static_sinks=4, static_recent=4)
     _, cache = _run(model, params, tokens, policy, 120, 1)
     first = np.asarray(cache[0].k[:, : cache[0].kept])
@@ -112,7 +112,8 @@ def test_cross_layer_sharing_schedule():
 
 def test_shared_layers_reuse_selection(tiny):
     model, params, tokens = tiny
-    policy = make_policy("mpcache", 16, static_keep=64, **SMALL_LEVELS)
+    policy = make_policy("mpcache", 16, static=True, static_keep=64, share_group=2,
+                         **SMALL_LEVELS)
     _, cache = _run(model, params, tokens, policy, 120, 1)
     q = jnp.asarray(np.random.RandomState(2).randn(model.cfg.num_heads, model.cfg.head_dim),
                     jnp.float32)
@@ -129,7 +130,9 @@ def test_shared_layers_reuse_selection(tiny):
     (dict(levels=((32, 1.5), (16, None))), "keep ratio"),
     (dict(levels=((32, 0.5), (16, 0.5))), "final budget"),
     (dict(budget=0.0), "budget"),
-    (dict(budget=20), "always-selected"),
+    (dict(budget=6), "always-selected"),
+    (dict(select_scope="group"), "select_scope"),
+    (dict(static=True, static_scope="head"), "select per head too"),
     (dict(static_keep=2.0), "static_keep"),
     (dict(similarity="cosine"), "similarity"),
     (dict(static_scope="global"), "static_scope"),
@@ -143,7 +146,7 @@ def test_config_validation(bad, match):
 
 def test_ratio_budget_too_small_for_forced_clusters(tiny):
     model, params, tokens = tiny
-    policy = make_policy("mpcache", 0.05)   # 6 tokens of 120 < 2 clusters of 16
+    policy = make_policy("mpcache", 0.05)   # 6 tokens of 120 < 2 clusters of 4
     cache = model.init_cache(124)
     _, cache, aux = model.prefill(params, tokens[:120], cache, return_queries=True)
     with pytest.raises(ValueError, match="always-selected"):
@@ -172,13 +175,38 @@ def test_decode_compiles_once_per_policy(tiny):
     assert model_module._decode._cache_size() == size
 
 
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope):
+    """similarity="exact": the chosen clusters are the forced first/last ones and those whose
+    best token scores highest (summed over the layer's heads for a per-layer selection)."""
+    rng = np.random.RandomState(3)
+    Hkv, G, d, S, s = 2, 2, 8, 64, 4
+    policy = MPCache(budget=24, levels=((s, None),), select_scope=scope)
+    k = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
+    valid = jnp.ones((Hkv, S), jnp.float32)
+    from mpcache_jax.cache import empty_layer
+    state = PrunedLayer(k, k, valid, empty_layer(Hkv, 4, d), None, prompt_len=S, kept=S)
+    q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
+    chosen = np.asarray(policy.select(q, state))
+    assert chosen.shape == ((1 if scope == "layer" else Hkv), 24 // s, S // s)
+    token = np.einsum("kgd,ksd->ks", np.asarray(q).reshape(Hkv, G, d), np.asarray(k))
+    if scope == "layer":
+        token = token.sum(0, keepdims=True)
+    best = token.reshape(token.shape[0], S // s, s).max(-1)
+    for row in range(chosen.shape[0]):
+        forced = {0, S // s - 1}
+        rest = [c for c in np.argsort(-best[row], kind="stable") if c not in forced]
+        assert set(chosen[row].argmax(-1).tolist()) == forced | set(rest[:24 // s - 2])
+
+
 @pytest.mark.parametrize("levels", [((4, None),), ((8, 0.5), (4, None))])
 def test_selection_matches_brute_force(levels):
     """select() = top clusters by the MP bound computed directly (single level), and the
     hierarchical version only picks children of the best coarse clusters."""
     rng = np.random.RandomState(5)
     Hkv, G, d, kept = 2, 2, 8, 64
-    policy = MPCache(budget=24, static_keep=kept, similarity="mp", levels=levels)
+    policy = MPCache(budget=24, static=True, static_keep=kept, similarity="mp", levels=levels,
+                     select_scope="head")
     k = jnp.asarray(rng.randn(Hkv, kept, d), jnp.float32)
     valid = jnp.ones((Hkv, kept), jnp.float32)
     from mpcache_jax.cache import empty_layer

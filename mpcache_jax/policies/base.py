@@ -425,8 +425,9 @@ class DecodeEvictionPolicy(PromptEvictionPolicy):
         """Slots for generated tokens beyond the kept prompt tokens (static)."""
         if self.decode_window is None:
             return max_new_tokens
+        # (a one-token prompt, which any ratio budget covers whole, is left out of a bucket)
         lengths = ([extent.length] if extent.static else
-                   range(extent.low, extent.capacity + 1))
+                   range(max(extent.low, 2), extent.capacity + 1))
         prunes = {self.kept_count(t) < t for t in lengths}
         if len(prunes) > 1:
             raise ValueError(f"policy {self.name!r}: the bucket [{extent.low}, {extent.capacity}] "

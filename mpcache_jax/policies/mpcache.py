@@ -3,11 +3,23 @@
 Static eviction (paper Section 4.2): the last `window_ratio` of prompt queries vote with their
 attention; per layer (shared by its heads, or per KV head) the top `static_keep` tokens stay.
 Dynamic selection (Section 4.3), every decode step: the kept tokens are grouped into clusters
-of adjacent tokens, scored by q . (alpha r_max + (1 - alpha) r_min) (or the exact MP bound, or
-the mean), and selected coarse to fine; the first (sink) and last (most recent) clusters are
-always selected; all selections and gathers are masks and one-hot matmuls.
+of adjacent tokens, selected coarse to fine; the first (sink) and last (most recent) clusters
+are always selected; all selections and gathers are masks and one-hot matmuls.
 Cross-layer index sharing (Section 4.4): a selecting layer's choice is reused by the next
 `share_group - 1` layers; layers below `share_from` always select for themselves.
+
+Two configurations are registered (policies/__init__.py):
+- `mpcache` (the class defaults): what the fidelity suite (experiments/natural_tasks.py,
+  WORKSPACE.md "Fidelity") showed to keep natural-text answers. No static eviction (on
+  SmolLM2 the prompt's last queries vote against answer tokens: at a 50% keep only ~20% of
+  an answer's tokens survive); a cluster scores its best token's q . k, read from the
+  step's own attention scores (the quantity the paper's bounding boxes approximate:
+  `similarity="exact"`); one selection per layer for all its heads, every layer selecting
+  (cross-head instead of cross-layer sharing: on SmolLM2 sharing across layers costs 4-8x
+  the KL, across heads 2-3x, and per-head selection is unaffordable under MPC on a 32-head
+  model: its top-k and one-hots multiply by the heads); clusters of 16 (the best 20% kept)
+  then 4 tokens.
+- `mpcache_paper`: the authors' hyperparameters (their LongBench setting).
 """
 from __future__ import annotations
 
@@ -25,7 +37,8 @@ from mpcache_jax.cache import append_token
 from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_selected,
                                        attend_with_new, window_attention_mass)
 
-SIMILARITIES = ("alpha", "mp", "avg", "exact", "hybrid")
+SIMILARITIES = ("exact", "alpha", "mp", "avg")
+SELECT_SCOPES = ("layer", "head")
 STATIC_SCOPES = ("layer", "head", "model")
 
 
@@ -42,8 +55,8 @@ class MPCache(PromptEvictionPolicy):
     """MPCache and, through its switches, every ablation of the paper's Figure 11.
 
     budget: prompt tokens attended per decode step (ratio of the prompt or a count).
-    static_keep: tokens kept by static eviction (ratio or count); None = max(25% of the prompt,
-      2 x budget), so the coarse level (which keeps half its clusters) has room to choose.
+    static: evict prompt tokens once at prefill (the paper); static_keep: tokens it keeps
+      (ratio or count); None = max(25% of the prompt, 2 x budget).
     static_window: the last prompt queries that vote (ratio of the prompt, or a count).
     static_scope: "layer" (one kept set per layer, shared by its heads: the paper), "head" (per
       KV head) or "model" (one set for every layer, from the votes summed over layers).
@@ -52,12 +65,19 @@ class MPCache(PromptEvictionPolicy):
     levels: ((cluster_size, keep_ratio), ..., (finest_size, None)) coarse to fine; each level
       keeps at least keep_ratio of its valid clusters and enough for the next level; the last
       level selects the final budget. Sizes must divide each other (coarse >= fine).
+    similarity: "exact" (a cluster's best q . k, from the step's attention scores), "alpha"
+      (q . (alpha r_max + (1 - alpha) r_min), the paper), "mp" (the exact upper bound
+      sum_i max(q_i r_max_i, q_i r_min_i)) or "avg" (the cluster mean).
+    select_scope: "layer" (one selection for all the layer's heads, scores summed over them)
+      or "head" (one per KV head, the paper).
+    share_group, share_from: cross-layer index sharing (1 = every layer selects).
     """
 
     name: str = "mpcache"
     needs_queries: bool = True
+    topk_method: str = "rank"
     static_keep: float | int | None = None
-    static: bool = True
+    static: bool = False
     dynamic: bool = True
     static_window: float | int = 0.2
     static_cluster: int = 1
@@ -65,14 +85,11 @@ class MPCache(PromptEvictionPolicy):
     static_sinks: int = 16
     static_recent: int = 32
     static_scope: str = "layer"
-    levels: tuple = ((32, 0.5), (16, None))
-    similarity: str = "alpha"
+    levels: tuple = ((16, 0.2), (4, None))
+    similarity: str = "exact"
     alpha: float = 0.6
-    key_norm: bool = False
-    query_norm: bool = False
-    select_scope: str = "head"
-    head_reduce: str = "sum"
-    share_group: int = 2
+    select_scope: str = "layer"
+    share_group: int = 1
     share_from: int = 2
     share_static: bool = True
 
@@ -118,6 +135,12 @@ class MPCache(PromptEvictionPolicy):
                                  f"before: got {sizes}")
         if self.similarity not in SIMILARITIES:
             raise ValueError(f"similarity={self.similarity!r}; use one of {SIMILARITIES}")
+        if self.select_scope not in SELECT_SCOPES:
+            raise ValueError(f"select_scope={self.select_scope!r}; use 'layer' (one selection "
+                             "per layer) or 'head' (one per KV head)")
+        if self.select_scope == "layer" and self.static and self.static_scope == "head":
+            raise ValueError("static_scope='head' keeps different tokens per head: select per "
+                             "head too (select_scope='head')")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
         if self.share_group < 1 or self.share_from < 0:
@@ -277,21 +300,16 @@ class MPCache(PromptEvictionPolicy):
         return forced
 
     def layer_extras(self, kept_k, valid):
+        """Per-level cluster digests (bounding boxes or means), once per prompt; "exact" needs
+        none: it scores clusters with the step's own attention scores."""
         if not self.dynamic or self.similarity == "exact":
             return None
-        if self.similarity == "hybrid":
-            return self._digests(kept_k, valid, "alpha")
-        return self._digests(kept_k, valid, self.similarity)
-
-    def _digests(self, kept_k, valid, similarity):
-        if self.key_norm:
-            kept_k = P.unit_rows(kept_k)
         digests = []
         for s in self.sizes:
             r_max, r_min = P.cluster_bounds(kept_k, s, valid)
-            if similarity == "alpha":
+            if self.similarity == "alpha":
                 digests.append((self.alpha * r_max + (1.0 - self.alpha) * r_min,))
-            elif similarity == "mp":
+            elif self.similarity == "mp":
                 digests.append((r_max, r_min))
             else:
                 Hkv, S, d = kept_k.shape
@@ -301,77 +319,60 @@ class MPCache(PromptEvictionPolicy):
         return tuple(digests)
 
     # --- dynamic selection -----------------------------------------------------------------
-    def _scores(self, qg, digest):
-        if self.similarity in ("alpha", "hybrid"):
+    def _digest_scores(self, qg, digest):
+        if self.similarity == "alpha":
             return P.cluster_scores(qg, digest[0], digest[0], mode="alpha", alpha=1.0)
         if self.similarity == "mp":
             return P.cluster_scores(qg, digest[0], digest[1], mode="mp")
         return P.cluster_scores(qg, digest[0], digest[0], mode="avg", mean=digest[0])
 
-    @property
-    def scores_from_attention(self) -> bool:
-        """Exact cluster maxima from the attention scores the step computes anyway."""
-        return self.similarity in ("exact", "hybrid") and not (self.key_norm or self.query_norm)
-
-    def level_scores(self, qg, state: PrunedLayer, token: jax.Array | None = None):
+    def level_scores(self, qg, state: PrunedLayer, scores: jax.Array | None = None):
         """Per level, a function from candidate clusters (None: all of them; or a one-hot
-        [R, n, C_level] picking them) to their scores [R, n]; R = H_kv, or 1 when one
-        selection serves every head of the layer (`select_scope="layer"`, scores summed over
-        the heads).
+        [R, n, C_level] picking them) to their scores [R, n]. R = H_kv (a selection per KV
+        head), or 1 (`select_scope="layer"`: one selection per layer, scores summed over its
+        heads).
 
-        "alpha"/"mp"/"avg": cluster digests; "exact": each cluster's best q . k (the quantity
-        the bounds approximate) from the kept keys; "hybrid": digests at the coarse levels and,
-        at the finest, the exact best q . k of the candidate clusters only."""
+        "exact": a cluster's score is its best token's q . k, the quantity the paper's bounds
+        approximate, read from `scores` ([H_kv, G, S]: the step's attention scores of the
+        kept region, summed over the GQA group); "alpha" / "mp" / "avg": the digests'."""
         per_layer = self.select_scope == "layer"
         Hkv, S, _ = state.k.shape
-        if self.query_norm:
-            qg = P.unit_rows(qg)
-
-        def digest_level(i):
-            def scores(child):
-                digest = state.extras[i]
-                if child is not None:
-                    child = jnp.broadcast_to(child, (Hkv,) + child.shape[1:])
-                    digest = tuple(P.gather_rows(child, part) for part in digest)
-                out = self._scores(qg, digest)
-                return jnp.sum(out, axis=0, keepdims=True) if per_layer else out
-            return scores
-        if self.similarity not in ("exact", "hybrid"):
+        if self.similarity != "exact":
+            def digest_level(i):
+                def level(child):
+                    digest = state.extras[i]
+                    if child is not None:
+                        child = jnp.broadcast_to(child, (Hkv,) + child.shape[1:])
+                        digest = tuple(P.gather_rows(child, part) for part in digest)
+                    out = self._digest_scores(qg, digest)
+                    return jnp.sum(out, axis=0, keepdims=True) if per_layer else out
+                return level
             return [digest_level(i) for i in range(len(self.sizes))]
-        if token is None:
-            keys = P.unit_rows(state.k) if self.key_norm else state.k
-            token = jnp.einsum("kgd,ksd->kgs", qg, keys)                      # [H_kv, G, S]
-        if per_layer and self.head_reduce == "max":
-            token = jnp.max(token.reshape(1, -1, S), axis=1)
-        else:
-            token = jnp.sum(token, axis=1)
-            if per_layer:
-                token = jnp.sum(token, axis=0, keepdims=True)
+        if scores is None:
+            scores = attention.grouped_scores(qg.reshape(-1, qg.shape[-1]), state.k)
+        token = jnp.sum(scores, axis=1)                                       # [H_kv, S]
+        if per_layer:
+            token = jnp.sum(token, axis=0, keepdims=True)
         valid = state.valid[:token.shape[0]]
         token = token * valid - P.EMPTY_BOUND * (1.0 - valid)                # [R, S]
-        rows = token.shape[0]
 
         def exact_level(i):
-            s = self.sizes[i]
-            clusters = token.reshape(rows, S // s, s)
+            clusters = token.reshape(token.shape[0], S // self.sizes[i], self.sizes[i])
 
-            def scores(child):
+            def level(child):
                 if child is None:
                     return jnp.max(clusters, axis=-1)                          # [R, C]
                 return jnp.max(P.gather_rows(child, clusters), axis=-1)        # [R, n]
-            return scores
-        if self.similarity == "exact":
-            return [exact_level(i) for i in range(len(self.sizes))]
-        last = len(self.sizes) - 1
-        return [exact_level(i) if i == last else digest_level(i) for i in range(len(self.sizes))]
+            return level
+        return [exact_level(i) for i in range(len(self.sizes))]
 
-    def select(self, q, state: PrunedLayer, token: jax.Array | None = None) -> jax.Array:
+    def select(self, q, state: PrunedLayer, scores: jax.Array | None = None) -> jax.Array:
         """Hierarchical selection -> integer one-hot [H_kv, k, C] over the finest clusters (rows
         in cluster order). q: [H, d]. Masks, one-hots and their compositions across levels
         are integers built from comparisons: under MPC none of them needs a truncation."""
         Hkv, S, _ = state.k.shape
         qg = q.reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])
-        level_scores = self.level_scores(qg, state, token)
+        level_scores = self.level_scores(qg, state, scores)
         Hkv = 1 if self.select_scope == "layer" else Hkv   # rows that select
         sizes = self.sizes
         extent = state.extent()
@@ -431,26 +432,20 @@ class MPCache(PromptEvictionPolicy):
     def selection(self, layer, q, state: PrunedLayer, carry, scores_all=None) -> jax.Array:
         """This layer's cluster one-hot [H_kv or 1, k, C]: its own selection, or the previous
         selecting layer's (`carry`) under cross-layer sharing. scores_all: this step's
-        attention scores [H_kv, G, S + N] (exact maxima reuse them)."""
+        attention scores [H_kv, G, S + N] ("exact" selection reads them)."""
         if self.selects(layer) or carry is None:
-            token = None
-            if self.scores_from_attention:
-                if scores_all is None:
-                    scores_all = self._attention_scores(q, state, state.new)
-                token = scores_all[..., :state.k.shape[1]]
-            return self.select(q, state, token)
+            scores = None if scores_all is None else scores_all[..., :state.k.shape[1]]
+            return self.select(q, state, scores)
         return carry
-
-    @staticmethod
-    def _attention_scores(q, state: PrunedLayer, new):
-        return attention.grouped_scores(q, jnp.concatenate([state.k, new.k], axis=1))
 
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
         new = append_token(state.new, k_new, v_new)
         if not self.dynamic:
             out = attend_with_new(q, state.k, state.v, state.valid, new, self.softmax)
             return out, state.replace(new=new), carry
-        scores_all = self._attention_scores(q, state, new) if self.scores_from_attention else None
+        scores_all = None
+        if self.similarity == "exact":   # one score matmul serves selection and attention
+            scores_all = attention.grouped_scores(q, jnp.concatenate([state.k, new.k], axis=1))
         carry = self.selection(layer, q, state, carry, scores_all)
         out = attend_selected(q, state.k, state.v, state.valid, new, carry, self.sizes[-1],
                               normalize=self.softmax, scores_all=scores_all)

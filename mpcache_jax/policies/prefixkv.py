@@ -130,7 +130,10 @@ class MPCachePrefixKV(PrefixKV, MPCache):
     one budget for every layer. Static only: dynamic selection assumes one budget per layer."""
 
     name: str = "mpcache_prefixkv"
+    static: bool = True
     dynamic: bool = False
+    share_group: int = 2        # the paper's static eviction: votes shared by layer pairs
+    topk_method: str = "lax"
     keep_scores = MPCache.keep_scores
     forced_keep = MPCache.forced_keep
 

@@ -140,10 +140,13 @@ class PageSelectionPolicy(PromptEvictionPolicy):
         slot counts large enough for every length of the bucket and runtime token counts."""
         if extent.static:
             return dataclasses.replace(_layout(self, int(extent.length)), extent=extent)
-        lays = [_layout(self, t) for t in range(extent.low, extent.capacity + 1)]
+        lays = [_layout(self, t) for t in self.bucket_lengths(extent.low, extent.capacity)]
+        if not lays:
+            raise ValueError(f"policy {self.name!r} serves no prompt length in the bucket "
+                             f"[{extent.low}, {extent.capacity}]")
         shapes = {(lay.full, lay.initial) for lay in lays}
         local_slots = max(lay.local_slots for lay in lays)
-        if len(shapes) > 1 or local_slots > extent.low:
+        if len(shapes) > 1:
             raise ValueError(f"policy {self.name!r}: the bucket [{extent.low}, {extent.capacity}] "
                              "holds prompts with different page layouts; use narrower buckets")
         full, initial = shapes.pop()
@@ -154,6 +157,27 @@ class PageSelectionPolicy(PromptEvictionPolicy):
                       max(lay.num_pages for lay in lays), max(lay.selected for lay in lays), full,
                       middle=field("middle"), local=field("local"), selected=field("selected"),
                       pages=field("num_pages"), extent=extent)
+
+    @functools.lru_cache(maxsize=None)
+    def bucket_lengths(self, low: int, capacity: int) -> tuple[int, ...]:
+        """The prompt lengths of a bucket one program serves: every length the policy accepts,
+        except, in a bucket where the budget prunes most lengths, the few short ones it
+        covers whole (their layout differs; they run as exact-length programs)."""
+        ok = []
+        for t in range(low, capacity + 1):
+            try:
+                ok.append((t, _layout(self, t).full))
+            except ValueError:      # a length this policy refuses (check_prompt says why)
+                pass
+        pruned = [t for t, full in ok if not full]
+        return tuple(pruned if pruned else (t for t, _ in ok))
+
+    def check_bucketed(self, length: int, low: int, capacity: int) -> None:
+        if length not in self.bucket_lengths(low, capacity):
+            self.check_prompt(length)
+            raise ValueError(f"policy {self.name!r}: its budget covers a {length}-token prompt "
+                             f"whole, unlike the other prompts of the bucket [{low}, "
+                             f"{capacity}]; run it unbucketed (--buckets=)")
 
     def kept_count(self, prompt_len: int) -> int:
         return prompt_len
@@ -173,7 +197,9 @@ class PageSelectionPolicy(PromptEvictionPolicy):
         room = [(0, 0), (0, max(0, i0 + S - T))] + [(0, 0)] * (x.ndim - 2)
         middle = jnp.pad(x, room)[:, i0:i0 + S]
         middle = middle * E.iota_lt(S, lay.middle).reshape((1, S) + (1,) * (x.ndim - 2))
-        local = jax.lax.dynamic_slice_in_dim(x, lay.extent.length - L, L, axis=1)
+        # The last L prompt slots (positions below 0 only in unused slots: masked below).
+        rows = jnp.clip(lay.extent.length - L + jnp.arange(L), 0, T - 1)
+        local = jnp.take(x, rows, axis=1)
         used = (jnp.arange(L) >= L - lay.local).astype(x.dtype)
         return jnp.concatenate([x[:, :i0], middle, local * used.reshape((1, L) + (1,) * (x.ndim - 2))],
                                axis=1)
