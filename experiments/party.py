@@ -6,7 +6,8 @@ waits for them and tears them down (what `experiments.run --backend=spu_nodes` d
 with `--compare_sim --policies=full,mpcache` it also runs each policy in spu_sim and prints
 simulated vs multi-process cost.
 Exit status: 0 success, 2 malformed config, 3 another party failed (named in the message),
-1 anything else. The party's work runs in a supervised worker process (`--worker`, internal):
+128 + N stopped by signal N (SIGTERM 143, SIGINT 130; every party it started is killed, no
+result), 1 anything else. The party's work runs in a supervised worker process (`--worker`, internal):
 see mpcache_jax/distributed/supervise.py for why.
 """
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     who = FLAGS.party
     try:
+        from mpcache_jax.distributed.launch import Interrupted, bind_to_parent
+        bind_to_parent()   # started by a launcher or supervisor: never outlive it
         from mpcache_jax.distributed import (EXIT_CONFIG, EXIT_PEER, JobFailed, NodeConfigError,
                                              PartyFailure, load_node_config, run_loopback,
                                              run_party)
@@ -50,7 +53,13 @@ def main(argv):
         sys.exit(1)
     try:
         if who == "all":
-            overrides = json.loads(FLAGS.job) if FLAGS.job else {}
+            try:
+                overrides = json.loads(FLAGS.job) if FLAGS.job else {}
+            except json.JSONDecodeError as err:
+                raise NodeConfigError(f"--job is not valid JSON: {err}") from None
+            if not isinstance(overrides, dict):
+                raise NodeConfigError(f"--job must be a JSON object, e.g. '{{\"policy\": "
+                                      f"\"full\"}}', got {FLAGS.job!r}")
             if FLAGS.compare_sim:
                 from mpcache_jax.distributed.compare import compare_backends
                 policies = FLAGS.policies or [load_node_config(FLAGS.node_config).job.policy]
@@ -83,6 +92,9 @@ def main(argv):
     except NodeConfigError as err:
         print(f"[party {who}] error: bad node config: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
+    except Interrupted as err:
+        print(f"[party {who}] error: {err}", file=sys.stderr, flush=True)
+        sys.exit(128 + err.signum)
     except (PartyFailure, JobFailed) as err:
         print(f"[party {who}] error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_PEER)

@@ -18,11 +18,15 @@ import time
 import numpy as np
 import pytest
 
+from experiments import fault_cases as fc
 from mpcache_jax.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_config,
                                      parse_node_config, run_loopback)
+from mpcache_jax.distributed import config as config_lib
 from mpcache_jax.distributed import job as job_lib
 from mpcache_jax.distributed.compare import simulate
-from mpcache_jax.distributed.launch import prepare_config, start_parties, wait_parties
+from mpcache_jax.distributed.launch import (free_ports, prepare_config, start_parties,
+                                            wait_parties)
+from mpcache_jax.distributed.party import warn_if_insecure
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NODES = REPO / "experiments" / "nodes"
@@ -41,7 +45,7 @@ def node_config(parties: int, protocol: str, **link) -> dict:
             "SPU": {"kind": "SPU", "config": {
                 "node_ids": ids,
                 "runtime_config": {"protocol": protocol, "field": "FM64"},
-                "link": {"peer_timeout_s": 10, "recv_timeout_s": 180,
+                "link": {"peer_timeout_s": 10, "recv_timeout_s": 180, "connect_timeout_s": 60,
                          "connect_retry_times": 60, "connect_retry_interval_ms": 500,
                          "http_timeout_ms": 5000, **link}}},
             "MODEL_OWNER": {"kind": "PYU", "config": {"node_id": "node:0"}},
@@ -150,7 +154,7 @@ def test_dead_or_hung_party_makes_the_others_fail_naming_it(tmp_path, fault):
 
 def test_launcher_reports_the_failed_party_and_tears_everything_down(tmp_path):
     """A party that cannot start (bad prompt ids only it checks) fails the whole job."""
-    raw = node_config(2, "SEMI2K", peer_timeout_s=3, recv_timeout_s=30)
+    raw = node_config(2, "SEMI2K", peer_timeout_s=3, recv_timeout_s=30, connect_timeout_s=5)
     raw["job"]["prompt_ids"] = [999] * 32  # outside the vocabulary: the prompt owner fails
     with pytest.raises(JobFailed) as info:
         run_loopback(write(tmp_path, raw), tmp_path / "out", use_free_ports=True)
@@ -202,6 +206,43 @@ CASES = {
         "ca": "ca.crt", "certs": {"node:5": {"cert": "a.crt", "key": "a.key"}}}),
         "link.tls.certs names unknown part(y/ies) ['node:5']"),
     "unknown policy": (lambda r: r["job"].update(policy="magic"), "job.policy='magic' is unknown"),
+    # issue 14: types, names, bounds, plain TCP
+    "node id with a slash": (lambda r: (r["nodes"].update({"a/b": r["nodes"].pop("node:2")}),
+                                        _spu(r)["node_ids"].__setitem__(2, "a/b")),
+                             "node id 'a/b' is not allowed"),
+    "node ids that share log files": (
+        lambda r: (r["nodes"].update({"node_2": r["nodes"].pop("node:2")}),
+                   _spu(r)["node_ids"].__setitem__(2, "node_2"),
+                   r["nodes"].update({"node:2": "127.0.0.1:61499"})),
+        "would share the log files node_2"),
+    "string peer_timeout_s": (lambda r: _spu(r)["link"].update(peer_timeout_s="10"),
+                              "link.peer_timeout_s='10' must be a number of seconds (write it "
+                              "without quotes)"),
+    "fractional retries": (lambda r: _spu(r)["link"].update(connect_retry_times=1.5),
+                           "link.connect_retry_times=1.5 must be an integer"),
+    "boolean timeout": (lambda r: _spu(r)["link"].update(recv_timeout_s=True),
+                        "link.recv_timeout_s=True must be a number"),
+    "non-positive connect timeout": (lambda r: _spu(r)["link"].update(connect_timeout_s=0),
+                                     "link.connect_timeout_s=0 must be > 0 seconds"),
+    "string insecure": (lambda r: _spu(r)["link"].update(insecure="yes"),
+                        "link.insecure='yes' must be true or false"),
+    "string prompt_ids": (lambda r: r["job"].update(prompt_ids=[str(i) for i in range(32)]),
+                          "job.prompt_ids must be a list of integer token ids, got '0'"),
+    "string seq_len": (lambda r: r["job"].update(seq_len="32"),
+                       "job.seq_len='32' must be an integer"),
+    "seq_len beyond the context": (lambda r: r["job"].update(seq_len=10**9),
+                                   "exceeds llama-tiny's context of 4096 tokens"),
+    "max_new_tokens beyond the context": (lambda r: r["job"].update(max_new_tokens=10**6),
+                                          "= 1000032 exceeds llama-tiny's context"),
+    "too many layers": (lambda r: r["job"].update(num_layers=9), "job.num_layers:"),
+    "bad policy options": (lambda r: r["job"].update(policy_options={"nonsense": 1}),
+                           "job.policy='mpcache' with budget=0.5"),
+    "memory over the limit": (lambda r: r["job"].update(seq_len=3000, memory_limit_gb=1.0),
+                              "over the limit of 1.0 GiB (job.memory_limit_gb)"),
+    "plain TCP off loopback": (lambda r: r["nodes"].update({"node:2": "10.0.0.3:61402"}),
+                               'or add "insecure": true to the link section'),
+    "insecure with TLS": (lambda r: _spu(r)["link"].update(insecure=True, tls={
+        "ca": "ca.crt", "certs": {}}), "link.insecure=true and link.tls contradict"),
 }
 
 
@@ -213,15 +254,54 @@ def test_malformed_config_is_rejected_with_what_to_fix(case):
     assert message in str(info.value)
 
 
-def test_party_cli_rejects_a_bad_config_before_starting(tmp_path):
-    raw = _break(lambda r: r["devices"].pop("PROMPT_OWNER"))
+@pytest.mark.parametrize("case", ["missing prompt owner", "node id with a slash",
+                                  "string peer_timeout_s", "string prompt_ids"])
+def test_party_cli_rejects_a_bad_config_before_starting(tmp_path, case):
+    """Exit 2 with the message, no traceback, no party started (so no port is held)."""
+    mutate, message = CASES[case]
+    raw = _break(mutate)
+    out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "experiments.party",
                              f"--node_config={write(tmp_path, raw)}", "--party=all",
-                             f"--output_dir={tmp_path / 'out'}"],
+                             f"--output_dir={out}"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "devices.PROMPT_OWNER is missing" in result.stderr
-    assert not list((tmp_path / "out").glob("party_*.log")) if (tmp_path / "out").exists() else True
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (out.exists() and list(out.glob("party_*.log")))
+    assert not fc.processes_mentioning(str(out))
+
+
+def test_job_overrides_are_bounded_before_anything_starts(tmp_path):
+    path = write(tmp_path, node_config(2, "SEMI2K"))
+    with pytest.raises(NodeConfigError, match="exceeds llama-tiny's context of 4096"):
+        run_loopback(path, tmp_path / "out", seq_len=5000)
+    with pytest.raises(NodeConfigError, match="job.timeout_s='60' must be a number"):
+        run_loopback(path, tmp_path / "out", timeout_s="60")
+    assert not list((tmp_path / "out").glob("party_*.log"))
+
+
+def test_memory_estimate_follows_its_formula():
+    """1 GiB + b * (P + 2*T*V + 2*L*Hkv*d*(T+N) + 4*max(H*T*(T+N), T*F)), b = 16 for ABY3 FM64."""
+    config = parse_node_config(node_config(3, "ABY3"))
+    job = config.job                                      # llama-tiny, 2 layers, T=32, N=2
+    cfg = job_lib.build(job)[0].cfg
+    params = sum(int(np.prod(leaf.shape)) for leaf in
+                 __import__("jax").tree_util.tree_leaves(job_lib.weight_shapes(job)))
+    T, N = 32, 2
+    want = (2**30 + 16 * (params + 2 * T * cfg.vocab_size
+                          + 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (T + N)
+                          + 4 * max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)))
+    assert config_lib.estimate_party_memory(job, config.mpc)[0] == want
+    semi = parse_node_config(node_config(2, "SEMI2K"))
+    assert config_lib.estimate_party_memory(job, semi.mpc)[0] - 2**30 == (want - 2**30) // 2
+
+
+def test_insecure_plain_tcp_is_allowed_explicitly_and_warns(capsys):
+    raw = node_config(2, "SEMI2K", insecure=True)
+    raw["nodes"]["node:1"] = "10.0.0.2:61401"
+    config = parse_node_config(raw)
+    warn_if_insecure(config, "node:0")
+    assert "warning: link.insecure=true" in capsys.readouterr().err
 
 
 def test_unknown_party_on_the_command_line_is_rejected(tmp_path):
@@ -231,7 +311,7 @@ def test_unknown_party_on_the_command_line_is_rejected(tmp_path):
 
 
 def test_loopback_launcher_refuses_remote_hosts(tmp_path):
-    raw = node_config(2, "SEMI2K")
+    raw = node_config(2, "SEMI2K", insecure=True)
     raw["nodes"]["node:1"] = "10.0.0.2:61401"
     with pytest.raises(NodeConfigError, match="not a loopback address"):
         run_loopback(write(tmp_path, raw), tmp_path / "out")
@@ -246,35 +326,128 @@ def test_example_node_configs_are_valid(name):
 
 # ----- TLS ----------------------------------------------------------------------------------
 
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_certs(directory: pathlib.Path, parties: list[str], ca_name: str = "ca") -> None:
-    """A throwaway CA and one CA-signed certificate per party (SAN 127.0.0.1)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca_name}.key",
-             "-out", f"{ca_name}.crt", "-days", "1", "-subj", f"/CN={ca_name}", cwd=directory)
-    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for pid in parties:
-        tag = pid.replace(":", "_")
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{tag}.key", "-out",
-                 f"{tag}.csr", "-subj", f"/CN={tag}", cwd=directory)
-        _openssl("x509", "-req", "-in", f"{tag}.csr", "-CA", f"{ca_name}.crt", "-CAkey",
-                 f"{ca_name}.key", "-CAcreateserial", "-out", f"{tag}.crt", "-days", "1",
-                 "-extfile", "san.ext", cwd=directory)
-
-
 def tls_section(parties: list[str], ca: str = "certs/ca.crt") -> dict:
-    return {"ca": ca, "certs": {p: {"cert": f"certs/{p.replace(':', '_')}.crt",
-                                    "key": f"certs/{p.replace(':', '_')}.key"} for p in parties}}
+    return fc.tls_section({p: fc.tag(p) for p in parties}, ca)
 
 
 def test_tls_between_parties(tmp_path):
     parties = ["node:0", "node:1"]
-    make_certs(tmp_path / "certs", parties)
+    fc.make_certs(tmp_path / "certs", parties)
     raw = node_config(2, "SEMI2K", tls=tls_section(parties))
     record = run_loopback(write(tmp_path, raw), tmp_path / "out", use_free_ports=True)[-1]
     xla_tokens, _ = reference(TINY_JOB)
     assert record["tls"] is True
     assert record["tokens"] == xla_tokens.tolist()
+
+
+# ----- TLS identity and faults before link-up -------------------------------------------------
+
+PARTIES3 = ["node:0", "node:1", "node:2"]
+
+
+def run_parties(tmp_path, plan: dict, judges, timeout=120.0):
+    """Start the parties of `plan` ({party: (config path, prelude)}), wait for `judges` to
+    exit -> ({party: exit code or None}, {judge: its error line}, seconds from the first
+    judge's 'linking' line (else from the start) to the last judge's exit)."""
+    out = tmp_path / "out"
+    start = time.monotonic()
+    procs = {pid: fc.start_party(path, pid, out, prelude) for pid, (path, prelude) in plan.items()}
+    linking = None
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(procs[j].poll() is None for j in judges):
+            if linking is None and any("] linking to " in fc.log_text(out, j) for j in judges):
+                linking = time.monotonic()
+            time.sleep(0.05)
+        elapsed = time.monotonic() - (linking or start)
+        codes = {pid: p.poll() for pid, p in procs.items()}
+    finally:
+        fc.kill_all(procs)
+    return codes, {j: fc.error_line(out, j) for j in judges}, elapsed
+
+
+def tls_config(tmp_path, **files) -> dict:
+    raw = node_config(3, "ABY3", connect_timeout_s=20)
+    raw["nodes"] = {p: f"127.0.0.1:{port}" for p, port in zip(PARTIES3, free_ports(3))}
+    _spu(raw)["link"]["tls"] = fc._tls_files(tmp_path, PARTIES3, **files)
+    return raw
+
+
+@pytest.mark.parametrize("variant", ["one certificate for all", "owner presents node:2's"])
+def test_a_certificate_for_the_wrong_node_is_refused_naming_both(tmp_path, variant):
+    """Rejected by config validation (exit 2 before anything starts), and, when a party skips
+    its own check (it controls its code), by its peers on the network, naming the expected
+    node and the name in the certificate. Before this, both ran to exit 0."""
+    shared = variant == "one certificate for all"
+    raw = tls_config(tmp_path, shared_imposter=shared)
+    if not shared:
+        certs = _spu(raw)["link"]["tls"]["certs"]
+        certs["node:1"] = dict(certs["node:2"])
+    expected_cn = "CN='imposter'" if shared else "CN='node:2'"
+    with pytest.raises(NodeConfigError) as info:
+        parse_node_config(raw, base_dir=tmp_path)
+    assert expected_cn in str(info.value) and ("node 'node:0'" if shared else "node 'node:1'") \
+        in str(info.value)
+
+    hostile = write(tmp_path, raw, "hostile.json")
+    if shared:
+        plan = {p: (hostile, fc.SKIP_OWN_CERT_CHECK) for p in PARTIES3}
+        judges = PARTIES3
+    else:
+        honest_raw = json.loads(json.dumps(raw))
+        _spu(honest_raw)["link"]["tls"] = fc.tls_section({p: fc.tag(p) for p in PARTIES3})
+        honest = write(tmp_path, honest_raw, "honest.json")
+        plan = {"node:0": (honest, None), "node:1": (hostile, fc.SKIP_OWN_CERT_CHECK),
+                "node:2": (honest, None)}
+        judges = ["node:0", "node:2"]
+    codes, lines, elapsed = run_parties(tmp_path, plan, judges)
+    assert all(codes[j] == 3 for j in judges), (codes, lines)
+    naming = [j for j in judges
+              if expected_cn in lines[j] and "is not who the config says" in lines[j]]
+    if shared:   # the first to look ends the run; the others may only see it gone
+        assert naming, lines
+        assert any(f"where node '{p}'" in lines[j] for j in naming for p in PARTIES3)
+    else:
+        assert naming == judges, lines
+        assert all("party node:1 " in lines[j] and "node 'node:1'" in lines[j] for j in judges)
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+def test_a_refused_tls_handshake_is_named(tmp_path):
+    """node:2's certificate is signed by another CA: the others name it, node:2 names the
+    peer that refused it; seconds, not job.timeout_s."""
+    path = write(tmp_path, tls_config(tmp_path, other_ca_for="node:2"))
+    plan = {p: (path, None) for p in PARTIES3}
+    codes, lines, elapsed = run_parties(tmp_path, plan, PARTIES3)
+    assert all(codes[p] == 3 for p in PARTIES3), (codes, lines)
+    for p in ("node:0", "node:1"):
+        assert "party node:2 " in lines[p] and "failed the TLS handshake" in lines[p], lines[p]
+    assert "refused the TLS handshake" in lines["node:2"], lines["node:2"]
+    assert elapsed < 20
+
+
+def test_a_party_that_never_starts_is_named_within_connect_timeout(tmp_path):
+    raw = node_config(3, "ABY3", connect_timeout_s=5)
+    raw["nodes"] = {p: f"127.0.0.1:{port}" for p, port in zip(PARTIES3, free_ports(3))}
+    path = write(tmp_path, raw)
+    codes, lines, elapsed = run_parties(tmp_path, {p: (path, None) for p in PARTIES3[:2]},
+                                        PARTIES3[:2])
+    assert codes == {"node:0": 3, "node:1": 3}, lines
+    for p in PARTIES3[:2]:
+        assert "party node:2 never came up within link.connect_timeout_s=5 s" in lines[p], lines[p]
+    assert 5 <= elapsed < 5 + 10, elapsed
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_signal_to_the_launcher_leaves_no_party_and_no_results(tmp_path, signum):
+    """`experiments.party --party=all` signalled once every party is linked: SIGTERM makes it
+    kill every party and exit 143; SIGKILL (a crash) takes the parties with it (they die with
+    their parent). No party process is left and none writes results.jsonl / outputs.npz."""
+    case = fc.LauncherSignalCase("launcher", signum, "", "")
+    observed = case.run(fc.Context(tmp_path))
+    want = 143 if signum == signal.SIGTERM else -9
+    assert observed.exit_codes == f"launcher {want}", observed
+    assert observed.note == "no party process, no result file", observed
+    if signum == signal.SIGTERM:
+        assert "interrupted by SIGTERM" in observed.error
+    assert observed.passed

@@ -35,7 +35,9 @@ def simulate(node_config: str, prompt_file: str | None = None, profile: bool = T
     if not profile:
         return [{"backend": "spu_sim", "summary": True, "tokens": result.tokens,
                  "logits": result.logits}]
-    records = generation_records(result, backend="spu_sim", job=job, protocol=config.protocol,
+    records = generation_records(result, backend="spu_sim", policy=job.policy,
+                                 budget=job.budget, model=job.model, num_layers=job.num_layers,
+                                 protocol=config.protocol,
                                  parties=config.world_size, prompt_len=len(prompt_ids),
                                  node_config=config.id)
     if result.logits is not None:

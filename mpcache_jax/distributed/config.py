@@ -18,16 +18,46 @@ devices), plus a "job" section naming the public program:
       "job": {"model": "llama-tiny", "policy": "mpcache", "budget": 0.5, "seq_len": 64, ...}
     }
 
-"nodes" maps each party id to the host:port of its SPU link (brpc) endpoint. Relative
-certificate paths are resolved against the config file's directory. Every check runs in
-`load_node_config`, before any process or socket is started, and each message says what to fix.
+"nodes" maps each party id to the host:port of its SPU link (brpc) endpoint. Node ids are
+1-64 characters from letters, digits and `. _ : -` (they name log files, the link and the
+certificate CN). Relative certificate paths are resolved against the config file's directory.
+Every check runs in `load_node_config`, before any process or socket is started, and each
+message says what to fix: types (numbers are JSON numbers, ids are integers), ranges, the
+job's bounds (context and memory, `check_job_bounds`) and the TLS identity rule below.
+
+TLS identity rule (mutual TLS with identity). brpc, and yacl's link options above it, check a
+peer's certificate only against the CA (`verify.ca_file_path`, `verify_depth`): any certificate
+the CA signed is accepted for any node. Each party therefore also checks who it is talking to:
+the certificate a node presents must
+
+  1. chain to `link.tls.ca`;
+  2. have a subject CN exactly equal to the node id (e.g. CN=node:1);
+  3. have a subjectAltName entry for the host of the node's address in "nodes" (an
+     `IP Address` entry equal to an IP host, a `DNS` entry equal, case-insensitively, to a
+     host name; no wildcards).
+
+Checked twice: at config validation for every certificate file this process can read (its
+own; every party's for the loopback launcher), and on the network, where each party opens its
+own TLS connection (CA + its own certificate) to every peer's link endpoint before the first
+share is sent (`party.verify_peers`), and again on every liveness probe (`party.probe`,
+`identity_mismatch`): a peer whose certificate names another node ends the run with both
+names. Limit: brpc's server side accepts any CA-signed client certificate, so a holder of one
+could still open a client connection to a party's endpoint claiming another rank; closing
+that needs per-connection identity in yacl's link (not in SPU 0.9.5).
+
+Plain TCP (no "tls") is allowed between loopback addresses only; a config with a non-loopback
+host and no TLS is rejected unless `"insecure": true` is in the link section (then every
+party prints a warning).
 """
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
+import math
 import os
 import pathlib
+import re
 from typing import Any
 
 from mpcache_jax.mpc import config as mpc_config
@@ -53,26 +83,56 @@ class TLSConfig:
     verify_depth: int = 1
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_types(obj, types: dict[str, tuple[str, Any]], where: str) -> None:
+    """Each field of `obj` named in `types` must pass its check: {name: (what, predicate)}."""
+    for name, (what, ok) in types.items():
+        value = getattr(obj, name)
+        if not ok(value):
+            hint = " (write it without quotes)" if isinstance(value, str) else ""
+            raise NodeConfigError(f"{where}.{name}={value!r} must be {what}{hint}")
+
+
 @dataclasses.dataclass(frozen=True)
 class LinkOptions:
     """brpc link settings and failure detection.
 
-    `peer_timeout_s`: every party probes its peers' link endpoints once a second while the job
-    runs; a peer that refuses or does not answer for this long (dead, hung, unreachable) makes
-    the party fail with a message naming it. `recv_timeout_s`: the link's own limit on waiting
-    for one message from a peer that is alive; it also bounds start-up (peers still starting)
-    and must exceed the longest local step of any party (the model owner compiles the program,
-    ~20 s for a 30-layer model)."""
+    `connect_timeout_s` (<= 60 s by default): from the moment a party starts its link, every
+    peer must come up (its endpoint answers, with the right certificate under TLS) within this
+    long, else the party fails naming the peer that never came up. `peer_timeout_s`: every
+    party probes its peers' link endpoints once a second; a peer seen up that then refuses or
+    does not answer for this long (dead, hung, unreachable) makes the party fail naming it.
+    `recv_timeout_s`: the link's own limit on waiting for one message from a peer that is
+    alive; it must exceed the longest local step of any party (compilation, ~20 s for a
+    30-layer model). `connect_retry_times` x `connect_retry_interval_ms`: brpc's own connect
+    retries (raised, when shorter, to outlast connect_timeout_s, which decides).
+    `insecure`: allow plain TCP to non-loopback hosts (prints a warning)."""
 
     peer_timeout_s: float = 30.0
     recv_timeout_s: float = 600.0
+    connect_timeout_s: float = 60.0
     connect_retry_times: int = 10
     connect_retry_interval_ms: int = 1000
     http_timeout_ms: int = 20000
+    insecure: bool = False
     tls: TLSConfig | None = None
 
     def __post_init__(self):
-        for name in ("peer_timeout_s", "recv_timeout_s"):
+        seconds = ("a number of seconds", _is_number)
+        integer = ("an integer", _is_int)
+        _check_types(self, {"peer_timeout_s": seconds, "recv_timeout_s": seconds,
+                            "connect_timeout_s": seconds, "connect_retry_times": integer,
+                            "connect_retry_interval_ms": integer, "http_timeout_ms": integer,
+                            "insecure": ("true or false", lambda v: isinstance(v, bool))},
+                     "link")
+        for name in ("peer_timeout_s", "recv_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise NodeConfigError(f"link.{name}={getattr(self, name)} must be > 0 seconds")
         if self.connect_retry_times < 0 or self.connect_retry_interval_ms <= 0:
@@ -80,6 +140,9 @@ class LinkOptions:
                                   "link.connect_retry_interval_ms > 0")
         if self.http_timeout_ms <= 0:
             raise NodeConfigError(f"link.http_timeout_ms={self.http_timeout_ms} must be > 0")
+        if self.insecure and self.tls is not None:
+            raise NodeConfigError('link.insecure=true and link.tls contradict each other: remove '
+                                  '"insecure" to use TLS, or "tls" to run over plain TCP')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +154,9 @@ class JobSpec:
     (`--prompt_file`, wrapped in the chat template when `chat`), else `prompt_ids`, else
     `seq_len` random ids drawn with `prompt_seed`; its length is public. `seed` draws random
     weights for random-weight models. `reveal_logits` also opens the logits of each generated
-    token to the prompt owner (tests; leaks more than tokens).
+    token to the prompt owner (tests; leaks more than tokens). `memory_limit_gb`: the most one
+    party may need by `estimate_party_memory` (default: 80% of this machine's memory divided
+    among the parties that run on it).
     """
 
     model: str = "llama-tiny"
@@ -107,10 +172,36 @@ class JobSpec:
     chat: bool = True
     reveal_logits: bool = False
     timeout_s: float = 600.0
+    memory_limit_gb: float | None = None
 
     def __post_init__(self):
         from models.registry import MODEL_NAMES
         from mpcache_jax.policies import POLICY_NAMES
+        integer = ("an integer", _is_int)
+        optional = lambda ok: (lambda v: v is None or ok(v))  # noqa: E731
+        _check_types(self, {
+            "model": ("a string", lambda v: isinstance(v, str)),
+            "policy": ("a string", lambda v: isinstance(v, str)),
+            "budget": ("a number or null", optional(_is_number)),
+            "policy_options": ("an object", lambda v: isinstance(v, dict)),
+            "seq_len": integer, "max_new_tokens": integer,
+            "num_layers": ("an integer or null", optional(_is_int)),
+            "seed": integer, "prompt_seed": integer,
+            "chat": ("true or false", lambda v: isinstance(v, bool)),
+            "reveal_logits": ("true or false", lambda v: isinstance(v, bool)),
+            "timeout_s": ("a number of seconds", _is_number),
+            "memory_limit_gb": ("a number of GB or null", optional(_is_number)),
+        }, "job")
+        if self.prompt_ids is not None:
+            if not isinstance(self.prompt_ids, (list, tuple)):
+                raise NodeConfigError(f"job.prompt_ids must be a list of integer token ids, got "
+                                      f"{self.prompt_ids!r}; e.g. [1, 2, 3]")
+            bad = [t for t in self.prompt_ids if not _is_int(t)]
+            if bad:
+                raise NodeConfigError(f"job.prompt_ids must be a list of integer token ids, got "
+                                      f"{bad[0]!r} in it; write ids as JSON numbers, e.g. "
+                                      "[1, 2, 3]")
+            object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
         if self.model not in MODEL_NAMES:
             raise NodeConfigError(f"job.model={self.model!r} is unknown; use one of {MODEL_NAMES}")
         if self.policy not in POLICY_NAMES:
@@ -122,6 +213,8 @@ class JobSpec:
                                   f"is {self.seq_len}; make them agree")
         if self.timeout_s <= 0:
             raise NodeConfigError(f"job.timeout_s={self.timeout_s} must be > 0 seconds")
+        if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
+            raise NodeConfigError(f"job.memory_limit_gb={self.memory_limit_gb} must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +251,22 @@ class NodeConfig:
     def address(self, party_id: str) -> str:
         return self.parties[self.rank(party_id)][1]
 
-
     def with_job(self, **overrides) -> "NodeConfig":
-        job = dataclasses.replace(self.job, **overrides) if overrides else self.job
-        return dataclasses.replace(self, job=job)
+        """This config with job keys replaced (validated, bounds checked)."""
+        if not overrides:
+            return self
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(JobSpec)})
+        if unknown:
+            raise NodeConfigError(f"job has unknown key(s) {unknown}")
+        config = dataclasses.replace(self, job=dataclasses.replace(self.job, **overrides))
+        check_job_bounds(config)
+        return config
+
+    @property
+    def parties_on_this_host(self) -> int:
+        """Parties that run on one machine: all of them for a loopback config, else one."""
+        loopback = sum(is_loopback(address.rpartition(":")[0]) for _, address in self.parties)
+        return loopback if loopback == self.world_size else 1
 
 
 # ----- parsing ------------------------------------------------------------------------------
@@ -173,6 +278,41 @@ def _need(mapping: dict, key: str, where: str, kind=None):
     if kind is not None and not isinstance(value, kind):
         raise NodeConfigError(f"{where}.{key} must be a {kind.__name__}, got {value!r}")
     return value
+
+
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+LOOPBACK_NAMES = ("localhost",)
+
+
+def node_tag(party_id: str) -> str:
+    """The node id as it appears in file names (party_<tag>.log, spu_<tag>.log)."""
+    return party_id.replace(":", "_")
+
+
+def check_node_ids(ids) -> None:
+    """Node ids name files, the link and certificates: 1-64 of `A-Z a-z 0-9 . _ : -`,
+    starting with a letter or digit, distinct also after ':' -> '_' (their file names)."""
+    tags: dict[str, str] = {}
+    for pid in ids:
+        if not isinstance(pid, str) or not NODE_ID.fullmatch(pid):
+            raise NodeConfigError(f"node id {pid!r} is not allowed: use 1-64 letters, digits and "
+                                  "'.', '_', ':', '-', starting with a letter or digit (it "
+                                  "names log files and must equal its certificate's CN), e.g. "
+                                  "'node:0'")
+        if node_tag(pid) in tags:
+            raise NodeConfigError(f"node ids {tags[node_tag(pid)]!r} and {pid!r} would share the "
+                                  f"log files {node_tag(pid)}; rename one")
+        tags[node_tag(pid)] = pid
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or 'localhost'."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_address(party: str, addr: Any) -> tuple[str, int]:
@@ -198,8 +338,85 @@ def validate_runtime_config(runtime: Any, world_size: int) -> MPCConfig:
                               f"(node_ids lists {world_size} parties)") from None
 
 
-def _parse_tls(tls: Any, base: pathlib.Path, party_ids: tuple[str, ...],
+# ----- TLS identity ---------------------------------------------------------------------------
+
+def certificate_names(cert: dict) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """(subject CN, subjectAltName entries) of a certificate as Python's ssl module decodes it
+    (`SSLSocket.getpeercert()`)."""
+    cn = None
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                cn = value
+    return cn, tuple((str(k), str(v)) for k, v in cert.get("subjectAltName", ()))
+
+
+def _san_matches(host: str, sans) -> bool:
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return any(kind == "DNS" and value.lower() == host.lower() for kind, value in sans)
+    for kind, value in sans:
+        if kind == "IP Address":
+            try:
+                if ipaddress.ip_address(value.strip()) == ip:
+                    return True
+            except ValueError:
+                continue
+    return False
+
+
+def describe_certificate(cert: dict) -> str:
+    """'CN=node:2, SAN IP:127.0.0.1 DNS:localhost' (for messages)."""
+    cn, sans = certificate_names(cert)
+    names = " ".join(f"{'IP' if k == 'IP Address' else k}:{v}" for k, v in sans) or "none"
+    return f"CN={cn!r}, SAN {names}"
+
+
+def identity_mismatch(cert: dict, node: str, host: str) -> str | None:
+    """Why `cert` is not node `node` at `host` by the TLS identity rule (module docstring):
+    None if it is."""
+    cn, sans = certificate_names(cert)
+    problems = []
+    if cn != node:
+        problems.append(f"its CN is {cn!r}, not {node!r}")
+    if not _san_matches(host, sans):
+        problems.append(f"its subjectAltName has no entry for the node's host {host}")
+    if not problems:
+        return None
+    return (f"it is a certificate for {describe_certificate(cert)} where node {node!r} at "
+            f"{host} was expected ({'; '.join(problems)})")
+
+
+def read_certificate(path: str) -> dict | None:
+    """A PEM certificate file decoded like a peer certificate (None if Python cannot)."""
+    import ssl
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return None
+    try:
+        return decode(path)
+    except (ssl.SSLError, OSError, ValueError) as err:
+        raise NodeConfigError(f"{path} is not a readable PEM certificate ({err})") from None
+
+
+def check_own_certificate(node: str, host: str, path: str, where: str) -> None:
+    """The certificate file configured for `node` must name it (CN) and its host (SAN)."""
+    cert = read_certificate(path)
+    if cert is None:
+        return
+    why = identity_mismatch(cert, node, host)
+    if why:
+        raise NodeConfigError(f"{where}={path!r} cannot identify node {node!r}: {why}. Each "
+                              f"node's certificate must have CN={node!r} and a subjectAltName "
+                              f"for {host} (the address in 'nodes'); issue one per node")
+
+
+def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
                check_parties: tuple[str, ...]) -> TLSConfig | None:
+    """link.tls -> TLSConfig; the files of `check_parties` must exist and their certificates
+    must name their node (CN) and host (SAN)."""
+    party_ids = tuple(hosts)
     if tls is None:
         return None
     if not isinstance(tls, dict):
@@ -225,13 +442,22 @@ def _parse_tls(tls: Any, base: pathlib.Path, party_ids: tuple[str, ...],
                               'party needs {"cert": PATH, "key": PATH}')
     certs = {}
     for pid, entry in certs_in.items():
+        if not isinstance(entry, dict):
+            raise NodeConfigError(f'link.tls.certs[{pid!r}] must be {{"cert": PATH, "key": PATH}}')
         check = pid in check_parties
         certs[pid] = PartyCerts(cert=resolve(_need(entry, "cert", f"link.tls.certs[{pid!r}]"),
                                              f"link.tls.certs[{pid!r}].cert", check),
                                 key=resolve(_need(entry, "key", f"link.tls.certs[{pid!r}]"),
                                             f"link.tls.certs[{pid!r}].key", check))
+    for pid in check_parties:
+        check_own_certificate(pid, hosts[pid], certs[pid].cert,
+                              f"link.tls.certs[{pid!r}].cert")
+    unknown = sorted(set(tls) - {"ca", "certs", "verify_depth"})
+    if unknown:
+        raise NodeConfigError(f"link.tls has unknown key(s) {unknown}; keys: ca, certs, "
+                              "verify_depth")
     depth = tls.get("verify_depth", 1)
-    if not isinstance(depth, int) or depth < 1:
+    if not _is_int(depth) or depth < 1:
         raise NodeConfigError(f"link.tls.verify_depth={depth!r} must be an integer >= 1")
     return TLSConfig(ca=resolve(_need(tls, "ca", "link.tls"), "link.tls.ca", bool(check_parties)),
                      certs=certs, verify_depth=depth)
@@ -245,6 +471,12 @@ def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: st
         raise NodeConfigError("a node config is a JSON object with 'nodes', 'devices' and 'job'")
     nodes = _need(raw, "nodes", "node config", dict)
     devices = _need(raw, "devices", "node config", dict)
+    config_id = raw.get("id", "mpcache")
+    if not isinstance(config_id, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}",
+                                                          config_id):
+        raise NodeConfigError(f"id={config_id!r} must be 1-128 letters, digits and '.', '_', "
+                              "':', '-' (it names the link)")
+    check_node_ids(nodes)
     seen: dict[tuple[str, int], str] = {}
     for pid, addr in nodes.items():
         host, port = _check_address(pid, addr)
@@ -263,7 +495,7 @@ def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: st
     spu_cfg = _need(devices[spu_name], "config", f"devices.{spu_name}", dict)
     node_ids = _need(spu_cfg, "node_ids", f"devices.{spu_name}.config", list)
     for pid in node_ids:
-        if pid not in nodes:
+        if not isinstance(pid, str) or pid not in nodes:
             raise NodeConfigError(f"devices.{spu_name}.config.node_ids names unknown party {pid!r}; "
                                   f"add it to 'nodes' or use one of {list(nodes)}")
     if len(set(node_ids)) != len(node_ids):
@@ -290,32 +522,136 @@ def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: st
                               f"{owners['MODEL_OWNER']!r}: that party would see both the weights and "
                               "the prompt; give them different nodes")
 
+    if not isinstance(spu_cfg.get("link", {}), dict):
+        raise NodeConfigError(f"devices.{spu_name}.config.link must be a JSON object, e.g. "
+                              '{"peer_timeout_s": 30}')
     link_raw = dict(spu_cfg.get("link", {}))
     tls_raw = link_raw.pop("tls", None)
     link_fields = {f.name for f in dataclasses.fields(LinkOptions)} - {"tls"}
     unknown = sorted(set(link_raw) - link_fields)
     if unknown:
         raise NodeConfigError(f"link has unknown option(s) {unknown}; options: {sorted(link_fields)}")
+    if link_raw.get("insecure") is True and tls_raw is not None:
+        raise NodeConfigError('link.insecure=true and link.tls contradict each other: remove '
+                              '"insecure" to use TLS, or "tls" to run over plain TCP')
     check = (party,) if party is not None else tuple(node_ids)
-    tls = _parse_tls(tls_raw, pathlib.Path(base_dir), tuple(node_ids), check)
+    hosts = {pid: _check_address(pid, nodes[pid])[0] for pid in node_ids}
+    tls = _parse_tls(tls_raw, pathlib.Path(base_dir), hosts, check)
     link = LinkOptions(**link_raw, tls=tls)
+    remote = sorted(pid for pid, host in hosts.items() if not is_loopback(host))
+    if remote and tls is None and not link.insecure:
+        raise NodeConfigError(
+            f"nodes {[f'{pid} at {hosts[pid]}' for pid in remote]} are not on loopback and "
+            "devices.SPU.config.link has no \"tls\" section: shares and tokens would cross the "
+            "network as plain TCP. Add \"tls\": {\"ca\": ..., \"certs\": {...}} (see "
+            "experiments/nodes/3pc_aby3_hosts_tls.json), or add \"insecure\": true to the link "
+            "section to accept plain TCP")
 
+    if not isinstance(raw.get("job", {}), dict):
+        raise NodeConfigError('job must be a JSON object, e.g. {"model": "llama-tiny", '
+                              '"policy": "mpcache", "seq_len": 64}')
     job_raw = dict(raw.get("job", {}))
     job_fields = {f.name for f in dataclasses.fields(JobSpec)}
     unknown = sorted(set(job_raw) - job_fields)
     if unknown:
         raise NodeConfigError(f"job has unknown key(s) {unknown}; keys: {sorted(job_fields)}")
-    if job_raw.get("prompt_ids") is not None:
-        job_raw["prompt_ids"] = tuple(int(t) for t in job_raw["prompt_ids"])
     try:
         job = JobSpec(**job_raw)
     except TypeError as err:
         raise NodeConfigError(f"job: {err}") from None
 
-    return NodeConfig(id=str(raw.get("id", "mpcache")),
-                      parties=tuple((pid, nodes[pid]) for pid in node_ids),
-                      mpc=runtime, model_owner=owners["MODEL_OWNER"],
-                      prompt_owner=owners["PROMPT_OWNER"], link=link, job=job, path=path)
+    config = NodeConfig(id=config_id, parties=tuple((pid, nodes[pid]) for pid in node_ids),
+                        mpc=runtime, model_owner=owners["MODEL_OWNER"],
+                        prompt_owner=owners["PROMPT_OWNER"], link=link, job=job, path=path)
+    check_job_bounds(config)
+    return config
+
+
+# ----- job bounds ------------------------------------------------------------------------------
+
+# Bytes of one field element, and field elements one party holds per secret value.
+FIELD_BYTES = {"FM32": 4, "FM64": 8, "FM128": 16}
+SHARES_PER_PARTY = {"ABY3": 2, "SEMI2K": 1, "CHEETAH": 1}
+# Python + JAX + SPU + compiled programs of one party process, before any data.
+RUNTIME_BASE_BYTES = 1 << 30
+# Temporaries of the largest prefill operation, in multiples of its output.
+TEMPORARY_FACTOR = 4
+
+
+def estimate_party_memory(job: JobSpec, mpc: MPCConfig, prompt_len: int | None = None
+                          ) -> tuple[int, str]:
+    """Peak memory one party needs for `job`, estimated -> (bytes, the formula with numbers).
+
+        bytes = 1 GiB + b * (P + 2*T*V + 2*L*Hkv*d*(T+N) + 4*max(H*T*(T+N), T*F))
+
+    b: bytes of one party's share of one element (field bytes x shares per party: ABY3 2,
+    SEMI2K/CHEETAH 1); P: weights (secret-shared once, resident all session); T*V: the
+    prompt's secret one-hot rows [T, V] (x2: the prompt owner also holds the shares it sends);
+    2*L*Hkv*d*(T+N): the KV cache of L layers (resident between steps); H*T*(T+N): one layer's
+    prefill attention scores, T*F its MLP activations, x4 for an operation's temporaries;
+    1 GiB: the Python/JAX/SPU process. T = seq_len (or the announced prompt length), N =
+    max_new_tokens. An order-of-magnitude bound meant to refuse impossible jobs before they
+    start, not a measurement."""
+    from models import registry
+    from models.model import Model
+    import jax
+    cfg = registry.get_config(job.model, num_layers=job.num_layers)
+    params = sum(int(math.prod(leaf.shape))
+                 for leaf in jax.tree_util.tree_leaves(Model(cfg).param_shapes()))
+    T = job.seq_len if prompt_len is None else prompt_len
+    N = job.max_new_tokens
+    b = FIELD_BYTES.get(mpc.field, 8) * SHARES_PER_PARTY.get(mpc.protocol, 2)
+    cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (T + N)
+    largest = max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)
+    elements = params + 2 * T * cfg.vocab_size + cache + TEMPORARY_FACTOR * largest
+    total = RUNTIME_BASE_BYTES + b * elements
+    formula = (f"1 GiB + {b} B x (P {params:,} + 2*T*V {2 * T * cfg.vocab_size:,} + KV cache "
+               f"{cache:,} + 4 x {largest:,}) with T={T}, N={N}")
+    return total, formula
+
+
+def memory_limit_bytes(config: NodeConfig) -> tuple[int, str]:
+    """(the most one party may need, where the limit comes from)."""
+    if config.job.memory_limit_gb is not None:
+        return int(config.job.memory_limit_gb * 2**30), "job.memory_limit_gb"
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 16 << 30
+    n = config.parties_on_this_host
+    return int(0.8 * physical / n), (f"80% of this machine's {physical / 2**30:.1f} GiB shared "
+                                     f"by {n} part{'y' if n == 1 else 'ies'}")
+
+
+def check_job_bounds(config: NodeConfig, prompt_len: int | None = None) -> None:
+    """The job must fit the model (prompt + new tokens <= the model's context), its policy must
+    build, and one party's estimated memory must stay under the limit (`memory_limit_bytes`)."""
+    from models.config import ConfigError
+    from models import registry
+    job = config.job
+    try:
+        cfg = registry.get_config(job.model, num_layers=job.num_layers)
+    except ConfigError as err:
+        raise NodeConfigError(f"job.num_layers: {err}") from None
+    T = job.seq_len if prompt_len is None else prompt_len
+    if T + job.max_new_tokens > cfg.max_position:
+        raise NodeConfigError(
+            f"job.seq_len={T} + job.max_new_tokens={job.max_new_tokens} = "
+            f"{T + job.max_new_tokens} exceeds {job.model}'s context of {cfg.max_position} "
+            f"tokens; make them add up to at most {cfg.max_position}")
+    from mpcache_jax.policies import make_policy
+    try:
+        make_policy(job.policy, job.budget, **job.policy_options)
+    except (TypeError, ValueError, LookupError, AttributeError) as err:
+        raise NodeConfigError(f"job.policy={job.policy!r} with budget={job.budget!r} and "
+                              f"policy_options={job.policy_options}: {err}") from None
+    need, formula = estimate_party_memory(job, config.mpc, prompt_len)
+    limit, source = memory_limit_bytes(config)
+    if need > limit:
+        raise NodeConfigError(
+            f"the job needs about {need / 2**30:.1f} GiB per party ({formula}), over the limit "
+            f"of {limit / 2**30:.1f} GiB ({source}); shorten job.seq_len / job.max_new_tokens, "
+            "use fewer job.num_layers, or raise job.memory_limit_gb if the machine has the memory")
 
 
 def load_node_config(path: str | os.PathLike, party: str | None = None) -> NodeConfig:

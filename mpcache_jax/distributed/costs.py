@@ -38,12 +38,13 @@ def run_cost_from_json(value: dict, sender: str) -> RunCost:
         raise wire.WireError(sender, f"a malformed cost record ({err})") from None
 
 
-def generation_records(result, *, backend: str, job, protocol: str, parties: int,
-                       prompt_len: int, **extra) -> list[dict]:
+def generation_records(result, *, backend: str, policy: str, budget, model: str,
+                       num_layers: int | None, protocol: str, parties: int, prompt_len: int,
+                       **extra) -> list[dict]:
     """Per-step cost records and a closing summary of one SecureGeneration."""
-    common = {"backend": backend, "policy": job.policy, "budget": job.budget,
-              "protocol": protocol, "parties": parties, "model": job.model,
-              "num_layers": job.num_layers, "prompt_tokens": prompt_len}
+    common = {"backend": backend, "policy": policy, "budget": budget, "protocol": protocol,
+              "parties": parties, "model": model, "num_layers": num_layers,
+              "prompt_tokens": prompt_len}
     steps = [{**common, "phase": step.phase, "position": step.position,
               **cost_fields(step.cost, step.wall_s, parties)}
              for step in result.steps if step.cost is not None]

@@ -5,9 +5,15 @@
 
 Each party is `python -m experiments.party --node_config=... --party=ID` with its own log
 file; the job succeeds only if every party exits 0 and the prompt owner wrote its record. On
-any failure the remaining parties get `link.peer_timeout_s` (+ a grace period) to exit on
-their own, then are killed; the raised `JobFailed` names the failing party (from the parties'
-own diagnoses) and quotes each party's last message. No child outlives the call.
+any failure the remaining parties get max(`link.peer_timeout_s`, `link.connect_timeout_s`)
+(+ a grace period) to exit on their own, then are killed; the raised `JobFailed` names the
+failing party (from the parties' own diagnoses) and quotes each party's last message.
+
+No child outlives the launcher: every party's process group is killed when the call returns or
+raises, when the launcher gets SIGTERM, SIGINT or SIGHUP (`Interrupted`, no result), and —
+should the launcher itself be killed outright — each party's supervisor and worker die with
+their parent (Linux PR_SET_PDEATHSIG, set by `bind_to_parent` in the child) before it could
+report anything.
 """
 from __future__ import annotations
 
@@ -20,16 +26,20 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-from mpcache_jax.distributed.config import (NodeConfig, NodeConfigError, load_node_config,
-                                            parse_node_config)
+from mpcache_jax.distributed.config import (NodeConfig, NodeConfigError, is_loopback,
+                                            load_node_config, node_tag, parse_node_config)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # After the first party fails, the others get peer_timeout_s + this long to notice and exit
 # (probes run once a second, each waits up to 2 s).
 GRACE_S = 10.0
+
+
+PARENT_ENV = "MPCACHE_DIE_WITH_PARENT"
+INTERRUPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class JobFailed(RuntimeError):
@@ -38,6 +48,59 @@ class JobFailed(RuntimeError):
     def __init__(self, message: str, party: str | None, exit_codes: dict[str, int | None]):
         super().__init__(message)
         self.party, self.exit_codes = party, exit_codes
+
+
+class Interrupted(JobFailed):
+    """The launcher got a terminating signal; every party was killed, nothing is reported."""
+
+    def __init__(self, signum: int):
+        name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {name}: every party was stopped; no result", None, {})
+        self.signum = signum
+
+
+def child_env(env: dict | None = None) -> dict:
+    """The environment for a child that must not outlive this process (see bind_to_parent)."""
+    return {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
+
+
+def bind_to_parent() -> None:
+    """In a child started with child_env(): die (SIGKILL) when the parent dies, even if the
+    parent is killed outright, and leave at once if it is already gone. Linux only (prctl
+    PR_SET_PDEATHSIG); elsewhere a no-op."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if not parent:
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):
+        os._exit(1)   # the parent died before prctl took effect
+
+
+@contextlib.contextmanager
+def interruptible():
+    """While active (main thread only), SIGTERM / SIGINT / SIGHUP raise Interrupted, so the
+    caller's cleanup (killing the parties) runs instead of the process ending on the spot."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    fired: list[int] = []
+
+    def handler(signum, frame):
+        if not fired:             # later signals must not interrupt the cleanup itself
+            fired.append(signum)
+            raise Interrupted(signum)
+    previous = {sig: signal.signal(sig, handler) for sig in INTERRUPT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def free_ports(n: int) -> list[int]:
@@ -59,7 +122,7 @@ def prepare_config(node_config: str | os.PathLike, output_dir: pathlib.Path,
     raw.setdefault("job", {}).update(job_overrides)
     for pid, address in raw["nodes"].items():
         host = address.rpartition(":")[0]
-        if host not in LOOPBACK_HOSTS:
+        if not is_loopback(host):
             raise NodeConfigError(f"nodes[{pid!r}]={address!r} is not a loopback address: the "
                                   "loopback launcher starts every party on this machine; on "
                                   "several hosts run `python -m experiments.party` on each")
@@ -98,23 +161,30 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def start_parties(config: NodeConfig, config_path: pathlib.Path, output_dir: pathlib.Path,
-                  env: dict | None = None, prompt_file: str | None = None
+                  env: dict | None = None, prompt_file: str | None = None,
+                  procs: dict[str, subprocess.Popen] | None = None
                   ) -> dict[str, subprocess.Popen]:
     """Start one `experiments.party` process per party (own session, so it can be killed
-    with its children); stdout+stderr go to output_dir/party_<id>.log. `prompt_file` goes to
-    the prompt owner only."""
-    procs = {}
-    for pid in config.party_ids:
-        tag = pid.replace(":", "_")
-        logf = open(output_dir / f"party_{tag}.log", "w")
-        own = ([f"--prompt_file={prompt_file}"] if prompt_file and pid == config.prompt_owner
-               else [])
-        procs[pid] = subprocess.Popen(
-            [sys.executable, "-m", "experiments.party", f"--node_config={config_path}",
-             f"--party={pid}", f"--output_dir={output_dir}", *own],
-            cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(env or {})})
-        logf.close()
+    with its children; bound to this process, see bind_to_parent); stdout+stderr go to
+    output_dir/party_<id>.log. `prompt_file` goes to the prompt owner only. Each process is
+    added to `procs` (when given) as soon as it exists, so a caller's cleanup sees it even if
+    a signal interrupts this call; if starting one fails, the ones already started are killed
+    before the error propagates."""
+    procs = {} if procs is None else procs
+    try:
+        for pid in config.party_ids:
+            own = ([f"--prompt_file={prompt_file}"] if prompt_file and pid == config.prompt_owner
+                   else [])
+            with open(output_dir / f"party_{node_tag(pid)}.log", "w") as logf:
+                procs[pid] = subprocess.Popen(
+                    [sys.executable, "-m", "experiments.party", f"--node_config={config_path}",
+                     f"--party={pid}", f"--output_dir={output_dir}", *own],
+                    cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                    start_new_session=True, env=child_env(env))
+    except BaseException:
+        for p in procs.values():
+            _kill(p)
+        raise
     return procs
 
 
@@ -129,7 +199,8 @@ def wait_parties(config: NodeConfig, procs: dict[str, subprocess.Popen],
             if first_failure is None and any(p.poll() not in (None, 0) for p in procs.values()):
                 first_failure = now
             late = first_failure is not None and (
-                now - first_failure > config.link.peer_timeout_s + GRACE_S)
+                now - first_failure > max(config.link.peer_timeout_s,
+                                          config.link.connect_timeout_s) + GRACE_S)
             if now > deadline or late:
                 break
             time.sleep(0.05)
@@ -140,7 +211,7 @@ def wait_parties(config: NodeConfig, procs: dict[str, subprocess.Popen],
     codes = {pid: p.returncode for pid, p in procs.items()}
     if all(c == 0 for c in codes.values()):
         return
-    messages = {pid: _last_line(output_dir / f"party_{pid.replace(':', '_')}.log", "] error: ")
+    messages = {pid: _last_line(output_dir / f"party_{node_tag(pid)}.log", "] error: ")
                 for pid in procs}
     # The party the others blame ("party X ... died ..."), else the first that failed.
     blamed = [pid for pid in config.party_ids
@@ -166,14 +237,21 @@ def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike |
 
     `job_overrides` replace keys of the config's "job" (policy=..., seq_len=..., budget=...).
     Raises NodeConfigError before starting anything if the config is malformed, JobFailed if
-    any party fails (no partial result is returned).
+    any party fails (no partial result is returned), Interrupted (a JobFailed) on SIGTERM,
+    SIGINT or SIGHUP. Every party is killed before this returns or raises.
     """
     out = pathlib.Path(output_dir or tempfile.mkdtemp(prefix="mpcache_nodes_"))
     config, path = prepare_config(node_config, out, use_free_ports, **job_overrides)
     results = out / "results.jsonl"
     before = results.read_text().splitlines() if results.exists() else []
-    procs = start_parties(config, path, out, prompt_file=prompt_file)
-    wait_parties(config, procs, out, config.job.timeout_s)
+    procs: dict[str, subprocess.Popen] = {}
+    with interruptible():
+        try:
+            start_parties(config, path, out, prompt_file=prompt_file, procs=procs)
+            wait_parties(config, procs, out, config.job.timeout_s)
+        finally:
+            for p in procs.values():
+                _kill(p)
     after = results.read_text().splitlines() if results.exists() else []
     new = [json.loads(line) for line in after[len(before):]]
     if not new or not new[-1].get("summary"):

@@ -2,7 +2,9 @@
 
 Every party runs `run_party(config, party_id)` (usually via `python -m experiments.party`).
 Sequence, identical on every host (lockstep):
-  1. brpc link to every other party (mutual TLS when the config gives certificates);
+  1. brpc link to every other party (mutual TLS when the config gives certificates), then
+     every peer's identity is checked (its certificate must name its node id and host, see
+     config.py) before anything is sent;
   2. every party compiles the job's prefill and decode-step programs itself from the public
      job and the parties compare their SHA-256 (a party never runs a program it did not
      compile; `NodeBackend.compile` also refuses a program that reveals a secret mid-way);
@@ -14,13 +16,18 @@ Sequence, identical on every host (lockstep):
      and the prompt owner decides, publicly, when to stop;
   5. every step's profiled cost is exchanged (public); after every party confirmed success,
      the PROMPT_OWNER writes results.jsonl and outputs.npz (atomically).
-Nothing received from a peer is deserialized into objects (`wire`: typed, checked messages).
-A peer that is dead, hung or unreachable ends this party within `link.peer_timeout_s` with a
-message naming it (Watchdog); link errors are explained by probing every peer (`blame`).
+Nothing received from a peer is deserialized into objects (`wire`: typed, checked messages);
+a malformed message ends the run naming its sender. From start-up on (Watchdog): a peer that
+does not come up within `link.connect_timeout_s` of this party starting its link, fails the
+TLS handshake or presents another node's certificate, or (once up) is dead, hung or
+unreachable for `link.peer_timeout_s`, ends this party with a message naming it; link errors
+are explained by probing every peer (`blame`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -29,8 +36,9 @@ import time
 
 import numpy as np
 
-from mpcache_jax.distributed.config import NodeConfig
-from mpcache_jax.distributed import costs, job as job_lib
+from mpcache_jax.distributed.config import (NodeConfig, NodeConfigError, check_job_bounds,
+                                            identity_mismatch, is_loopback, node_tag)
+from mpcache_jax.distributed import costs, job as job_lib, wire
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_PEER = 0, 1, 2, 3
 LINGER_S = 1.0
@@ -51,8 +59,11 @@ def log(party_id: str, message: str) -> None:
 # ----- link ---------------------------------------------------------------------------------
 
 def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: float):
-    # link_id names the link (brpc message keys); one link per run.
-    """spu.link.Desc for this config; TLS options from the config (own cert, shared CA)."""
+    """spu.link.Desc for this config; TLS options from the config (own cert, shared CA).
+
+    brpc keeps retrying the connection to a peer for connect_retry_times x
+    connect_retry_interval_ms; raised here to outlast link.connect_timeout_s, so that the
+    Watchdog (which names the peer) decides when a peer is late, not brpc."""
     from spu import link
     desc = link.Desc()
     desc.id = f"{config.id}.{link_id}"
@@ -60,13 +71,18 @@ def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: f
         desc.add_party(pid, address)
     opts = config.link
     desc.recv_timeout_ms = int(recv_timeout_s * 1000)
-    desc.connect_retry_times = opts.connect_retry_times
-    desc.connect_retry_interval_ms = opts.connect_retry_interval_ms
+    interval_ms = opts.connect_retry_interval_ms
+    # Each failed attempt also waits up to 12 s (yacl's cyclic 2-12 s HTTP timeout) when the
+    # peer's port is open but silent; counting only the interval keeps this an upper bound.
+    needed = math.ceil((opts.connect_timeout_s + 30) * 1000 / interval_ms)
+    desc.connect_retry_times = max(opts.connect_retry_times, needed)
+    desc.connect_retry_interval_ms = interval_ms
     desc.http_timeout_ms = opts.http_timeout_ms
     if opts.tls is not None:
         mine = opts.tls.certs[party_id]
         desc.enable_ssl = True
-        # Both directions: servers verify clients and clients verify servers (mutual TLS).
+        # Both directions: servers verify clients and clients verify servers (mutual TLS, CA
+        # only: brpc has no per-peer identity check; `probe` checks identities).
         for side in (desc.server_ssl_opts, desc.client_ssl_opts):
             side.cert.certificate_path = mine.cert
             side.cert.private_key_path = mine.key
@@ -90,68 +106,133 @@ def failing_peer(config: NodeConfig, my_rank: int, err: BaseException) -> str | 
     return config.party_ids[rank] if 0 <= rank < config.world_size else None
 
 
-def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) -> str:
-    """'alive', 'refused' or 'silent': does `peer`'s link endpoint answer an HTTP request?
+# Probe states. Up: ALIVE. Down: REFUSED (nothing listens), SILENT (no answer). TLS faults:
+# TLS_REFUSED (the peer aborted the handshake: it does not accept this party's certificate, or
+# does not speak TLS), UNTRUSTED (the peer's certificate does not chain to link.tls.ca),
+# IMPOSTOR (a CA-signed certificate for another node, by the identity rule in config.py).
+ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
+TLS_REFUSED, UNTRUSTED, IMPOSTOR = "tls-refused", "untrusted", "impostor"
+DOWN = (REFUSED, SILENT)
+TLS_FAULTS = (TLS_REFUSED, UNTRUSTED, IMPOSTOR)
 
-    Any answer (even brpc's "method not found") proves the peer's process is running; a
-    refused connection means it is gone; silence means it is stopped or cut off."""
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One probe of a peer's link endpoint: its state and, for TLS faults, why."""
+
+    state: str
+    detail: str = ""
+
+
+def _tls_context(config: NodeConfig, party_id: str):
+    import ssl
+    tls = config.link.tls
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False      # the identity rule is checked on the certificate instead
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(tls.ca)
+    mine = tls.certs[party_id]
+    ctx.load_cert_chain(mine.cert, mine.key)
+    return ctx
+
+
+def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) -> Probe:
+    """Is `peer`'s link endpoint up, and (under TLS) is it `peer`?
+
+    Connects to the endpoint; under TLS completes a handshake with this party's own
+    certificate and the config's CA and checks the peer's certificate by the identity rule
+    (config.identity_mismatch); then sends an HTTP request. Any answer (even brpc's 404)
+    proves the peer's process is running."""
     import socket
     import ssl
     host, _, port = config.address(peer).rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     except ConnectionRefusedError:
-        return "refused"
+        return Probe(REFUSED)
     except OSError:
-        return "silent"
+        return Probe(SILENT)
+    stage = "connect"
     try:
-        tls = config.link.tls
-        if tls is not None:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            ctx.check_hostname = False
-            ctx.load_verify_locations(tls.ca)
-            mine = tls.certs[party_id]
-            ctx.load_cert_chain(mine.cert, mine.key)
-            sock = ctx.wrap_socket(sock)
+        if config.link.tls is not None:
+            stage = "handshake"
+            sock = _tls_context(config, party_id).wrap_socket(sock)
+            why = identity_mismatch(sock.getpeercert(), peer, host)
+            if why:
+                return Probe(IMPOSTOR, why)
+            stage = "first read"
         sock.sendall(f"GET /probe HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-        return "alive" if sock.recv(16) else "refused"
-    except (ConnectionError, ssl.SSLError):
-        return "refused"
+        return Probe(ALIVE) if sock.recv(16) else Probe(REFUSED)
+    except ssl.SSLCertVerificationError as err:
+        return Probe(UNTRUSTED, f"its certificate does not verify against link.tls.ca="
+                                f"{config.link.tls.ca} ({err.verify_message})")
+    except ssl.SSLError as err:
+        # TLS 1.3: a server that rejects the client's certificate says so after the client's
+        # side of the handshake, at the first read.
+        return Probe(TLS_REFUSED, f"it aborted the TLS {stage} ({err.reason or err}): it does "
+                                  "not accept this party's certificate (another CA?), does not "
+                                  "speak TLS, or stopped during the handshake")
+    except ConnectionError:
+        return Probe(REFUSED)
     except OSError:
-        return "silent"
+        return Probe(SILENT)
     finally:
         sock.close()
 
 
-def probe_peers(config: NodeConfig, party_id: str) -> dict[str, str]:
-    """Probe every other party at once -> {party: 'alive' | 'refused' | 'silent'}."""
+def probe_peers(config: NodeConfig, party_id: str) -> dict[str, Probe]:
+    """Probe every other party at once -> {party: Probe}."""
     from concurrent.futures import ThreadPoolExecutor
     peers = [p for p in config.party_ids if p != party_id]
     with ThreadPoolExecutor(len(peers)) as pool:
         return dict(zip(peers, pool.map(lambda p: probe(config, party_id, p), peers)))
 
 
+_DOWN_WORDS = {REFUSED: "is down (its link endpoint refuses connections)",
+               SILENT: "does not respond (hung, stopped or cut off)"}
+
+
+def _summary(states: dict[str, Probe]) -> str:
+    return ", ".join(f"{p} {s.state}" for p, s in states.items())
+
+
+def tls_fault_message(config: NodeConfig, peer: str, result: Probe) -> str:
+    """The error for a TLS fault of `peer`; names the peer (and under IMPOSTOR both names)."""
+    address = config.address(peer)
+    if result.state == IMPOSTOR:
+        return (f"party {peer} at {address} is not who the config says: {result.detail}; "
+                "refusing to exchange anything with it (each node's certificate must have "
+                "CN = its node id and a subjectAltName for its host)")
+    if result.state == UNTRUSTED:
+        return f"party {peer} at {address} failed the TLS handshake: {result.detail}"
+    return f"party {peer} at {address} refused the TLS handshake: {result.detail}"
+
+
 def blame(config: NodeConfig, party_id: str, suspect: str | None) -> tuple[str | None, str]:
     """The failed party and why, from the peer a link error points at and a probe of all
-    peers: a peer that is gone or silent is the cause even when the error points elsewhere
-    (a live peer that stopped sending was itself waiting on the failed one)."""
+    peers: a peer that is gone, silent or fails TLS is the cause even when the error points
+    elsewhere (a live peer that stopped sending was itself waiting on the failed one)."""
     states = probe_peers(config, party_id)
-    down = [p for p in config.party_ids if states.get(p) in ("refused", "silent")]
-    summary = ", ".join(f"{p} {s}" for p, s in states.items())
+    tls_bad = [p for p in config.party_ids if states.get(p, Probe(ALIVE)).state in TLS_FAULTS]
+    if tls_bad:
+        culprit = suspect if suspect in tls_bad else tls_bad[0]
+        return culprit, (f"{tls_fault_message(config, culprit, states[culprit])} "
+                         f"[probe: {_summary(states)}]")
+    down = [p for p in config.party_ids if states.get(p, Probe(ALIVE)).state in DOWN]
     if down:
-        words = {"refused": "is down (its link endpoint refuses connections)",
-                 "silent": "does not respond (hung, stopped or cut off)"}
         culprit = suspect if suspect in down else down[0]
-        return culprit, f"party {culprit} {words[states[culprit]]} [probe: {summary}]"
+        return culprit, (f"party {culprit} {_DOWN_WORDS[states[culprit].state]} "
+                         f"[probe: {_summary(states)}]")
     if suspect is None:
-        return None, f"every peer answers a probe [{summary}]"
+        return None, f"every peer answers a probe [{_summary(states)}]"
     return suspect, (f"party {suspect} sent nothing for link.recv_timeout_s="
                      f"{config.link.recv_timeout_s:g} s or dropped the connection, yet its "
-                     f"endpoint answers [probe: {summary}]")
+                     f"endpoint answers [probe: {_summary(states)}]")
 
 
 def explain_link_error(config: NodeConfig, party_id: str, stage: str,
                        err: BaseException) -> PartyFailure:
+    """A PartyFailure naming the party a link error is due to (see `blame`)."""
     peer = failing_peer(config, config.rank(party_id), err)
     first = str(err).strip().splitlines()
     detail = " ".join(line.strip() for line in first[:2])[:300]
@@ -161,6 +242,21 @@ def explain_link_error(config: NodeConfig, party_id: str, stage: str,
                f"link.recv_timeout_s={config.link.recv_timeout_s:g} s: is it running, is "
                "the port open, do the TLS certificates match?")
     return PartyFailure(culprit, f"{why} [during {stage}; {detail}]")
+
+
+def verify_peers(config: NodeConfig, party_id: str) -> None:
+    """Every peer's endpoint answers and (under TLS) proves to be the node the config names;
+    raises PartyFailure naming the first that does not. Called after link-up and before the
+    first share is sent."""
+    states = probe_peers(config, party_id)
+    for peer, result in states.items():
+        if result.state in TLS_FAULTS:
+            raise PartyFailure(peer, f"{tls_fault_message(config, peer, result)} "
+                                     f"[during link setup; probe: {_summary(states)}]")
+    for peer, result in states.items():
+        if result.state != ALIVE:
+            raise PartyFailure(peer, f"party {peer} {_DOWN_WORDS[result.state]} right after "
+                                     f"link-up [probe: {_summary(states)}]")
 
 
 class Channel:
@@ -188,6 +284,8 @@ class Channel:
 
 
 def connect(config: NodeConfig, party_id: str) -> Channel:
+    """The brpc link to every peer (blocks until all are connected; the Watchdog bounds the
+    wait by link.connect_timeout_s)."""
     from spu import link
     try:
         ctx = link.create_brpc(link_desc(config, party_id, "run", config.link.recv_timeout_s),
@@ -198,17 +296,29 @@ def connect(config: NodeConfig, party_id: str) -> Channel:
 
 
 class Watchdog:
-    """Probes every peer once a second from a daemon thread; a peer that stays down (refused
-    or silent) for `link.peer_timeout_s` ends this party at once with a message naming it.
+    """Probes every peer once a second from a daemon thread, from this party's start-up to the
+    end of the run, and ends the party (exit 3, one `error:` line naming the peer):
+
+    - from `begin_link()` on (this party's own endpoint is up), a TLS fault of a peer: another
+      node's certificate, an untrusted certificate, a refused handshake. The party then keeps
+      its endpoint up for TLS_LINGER_S before leaving, so the faulty peer can observe the
+      refusal too and name this party, instead of finding it gone;
+    - from `begin_link()` on, a peer not seen up within `link.connect_timeout_s` ("never came
+      up");
+    - a peer seen up that then stays down (refused or silent) for `link.peer_timeout_s`.
 
     The link alone cannot tell who failed: in a ring protocol every live party is blocked on
     a neighbour, so the first receive timeout often points at a live peer that is itself
     waiting on the dead one. A probe answered by a blocked-but-alive peer clears it."""
 
+    TLS_LINGER_S = 3.0
+
     def __init__(self, config: NodeConfig, party_id: str, interval_s: float = 1.0):
         import threading
         self.config, self.party_id, self.interval_s = config, party_id, interval_s
         self.stage = "start-up"
+        self.link_started: float | None = None
+        self.seen_up: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -216,27 +326,54 @@ class Watchdog:
         self._thread.start()
         return self
 
+    def begin_link(self) -> None:
+        """This party now waits for its peers: each has link.connect_timeout_s to come up."""
+        self.link_started = time.monotonic()
+
     def stop(self) -> None:
         self._stop.set()
 
+    def _fail(self, message: str, linger_s: float = 0.0) -> None:
+        if self._stop.is_set():
+            return
+        print(f"[party {self.party_id}] error: {message}", file=sys.stderr, flush=True)
+        if linger_s:
+            time.sleep(linger_s)
+        os._exit(EXIT_PEER)  # the link threads may be blocked: leave at once
+
     def _loop(self) -> None:
         down_since: dict[str, float] = {}
+        link = self.config.link
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
             states = probe_peers(self.config, self.party_id)
-            for peer, state in states.items():
-                if state == "alive":
+            linking = self.link_started is not None
+            for peer, result in states.items():
+                where = f"[probe: {_summary(states)}; during {self.stage}]"
+                if result.state == ALIVE:
+                    self.seen_up.add(peer)
                     down_since.pop(peer, None)
                     continue
+                if result.state in TLS_FAULTS:
+                    if linking:
+                        self._fail(f"{tls_fault_message(self.config, peer, result)} {where}",
+                                   linger_s=self.TLS_LINGER_S)
+                    continue
+                if peer not in self.seen_up:
+                    waited = None if not linking else now - self.link_started
+                    if waited is not None and waited >= link.connect_timeout_s:
+                        how = ("refuses connections" if result.state == REFUSED
+                               else "does not answer")
+                        self._fail(f"party {peer} never came up within link.connect_timeout_s="
+                                   f"{link.connect_timeout_s:g} s (its endpoint "
+                                   f"{self.config.address(peer)} {how}: is it started, is the "
+                                   "address right, is it still loading? raise "
+                                   f"link.connect_timeout_s if it needs longer) {where}")
+                    continue
                 down_since.setdefault(peer, now)
-                if now - down_since[peer] >= self.config.link.peer_timeout_s and not self._stop.is_set():
-                    words = {"refused": "is down (its link endpoint refuses connections)",
-                             "silent": "does not respond (hung, stopped or cut off)"}[state]
-                    summary = ", ".join(f"{p} {s}" for p, s in states.items())
-                    print(f"[party {self.party_id}] error: party {peer} {words} for "
-                          f"{self.config.link.peer_timeout_s:g} s [probe: {summary}; during "
-                          f"{self.stage}]", file=sys.stderr, flush=True)
-                    os._exit(EXIT_PEER)  # the link threads may be blocked: leave at once
+                if now - down_since[peer] >= link.peer_timeout_s:
+                    self._fail(f"party {peer} {_DOWN_WORDS[result.state]} for "
+                               f"{link.peer_timeout_s:g} s {where}")
 
 
 # ----- logging / profile --------------------------------------------------------------------
@@ -251,7 +388,7 @@ def setup_spu_log(path: pathlib.Path) -> None:
 
 
 def spu_log_path(output_dir: str | os.PathLike, party_id: str) -> pathlib.Path:
-    return pathlib.Path(output_dir) / f"spu_{party_id.replace(':', '_')}.log"
+    return pathlib.Path(output_dir) / f"spu_{node_tag(party_id)}.log"
 
 
 # ----- the run ------------------------------------------------------------------------------
@@ -268,7 +405,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
     """Run this party's side of the job. Returns the summary record on the prompt owner (its
     per-step records go to `output_dir/results.jsonl`, tokens to `output_dir/outputs.npz`),
     None elsewhere. Raises PartyFailure naming the peer when another party fails."""
-    from mpcache_jax.distributed.node_backend import NodeBackend
+    from mpcache_jax.distributed.node_backend import NodeBackend, ProgramMismatch
     from mpcache_jax.mpc.backends import CLIENT
     from mpcache_jax.mpc.secure import SecureSession
 
@@ -280,16 +417,25 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
     job = config.job
     if prompt_file is not None and not is_client:
         raise ValueError(f"--prompt_file is the prompt owner's ({config.prompt_owner}) input")
+    # From the first second: TLS faults of any peer end this party at once; peers get
+    # link.connect_timeout_s from begin_link() to come up (Watchdog).
+    watchdog = Watchdog(config, party_id).start()
+    warn_if_insecure(config, party_id)
+    parent = os.getppid()
     model, policy = job_lib.build(job)
     t_start = time.perf_counter()
     # Private inputs first: a bad one fails here, before any peer waits on this party.
     params = job_lib.load_weights(job) if is_model else job_lib.weight_shapes(job)
     prompt_ids, stop_ids = job_lib.load_prompt(job, prompt_file) if is_client else (None, ())
 
+    watchdog.stage = "link setup"
+    log(party_id, f"linking to {[p for p in config.party_ids if p != party_id]} "
+                  f"(link.connect_timeout_s={config.link.connect_timeout_s:g} s)")
+    watchdog.begin_link()
     chan = connect(config, party_id)
-    watchdog = Watchdog(config, party_id).start()
+    verify_peers(config, party_id)   # nothing is sent before every peer proved who it is
     log(party_id, f"link up ({config.world_size} parties, "
-                  f"{'TLS' if config.link.tls else 'plain TCP'})")
+                  f"{'TLS, peer identities checked' if config.link.tls else 'plain TCP'})")
     backend = NodeBackend(config, party_id, chan, log_path)
 
     def stage(name):
@@ -315,15 +461,25 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
         # Results are reported only once every party has finished its side.
         if not all(backend.exchange("done", True)):
             raise PartyFailure(None, "a party did not confirm the end of the run")
+    except wire.WireError as err:
+        raise PartyFailure(err.party, f"{err} [during {watchdog.stage}]") from None
+    except ProgramMismatch as err:
+        raise PartyFailure(None, f"{err} [during {watchdog.stage}]") from None
     except RuntimeError as err:
         if isinstance(err, PartyFailure):
             raise
         raise explain_link_error(config, party_id, watchdog.stage, err) from None
     watchdog.stop()
+    if os.getppid() != parent:
+        # The supervisor (or launcher) that started this party is gone: nobody is left to
+        # report success to, so nothing is written.
+        raise PartyFailure(None, "this party's supervisor ended during the run; not writing "
+                                 "results")
     record = None
     if is_client:
         records = costs.generation_records(
-            result, backend="spu_nodes", job=job, protocol=config.protocol,
+            result, backend="spu_nodes", policy=job.policy, budget=job.budget,
+            model=job.model, num_layers=job.num_layers, protocol=config.protocol,
             parties=config.world_size, prompt_len=T, weights_s=round(t_weights - t_start, 3),
             node_config=config.id, tls=config.link.tls is not None,
             runtime_config=config.mpc.runtime_json())
@@ -345,12 +501,27 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
 
 
 def check_prompt_length(config: NodeConfig, model, prompt_len) -> None:
-    """Every party checks the announced (public) prompt length against the model and the job."""
+    """Every party checks the announced (public) prompt length against the model, the job and
+    the memory bound (config.check_job_bounds with the announced length)."""
     job = config.job
-    if not isinstance(prompt_len, int) or prompt_len < 1:
+    if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 1:
         raise PartyFailure(config.prompt_owner, f"party {config.prompt_owner} announced a "
                                                 f"prompt length of {prompt_len!r}")
     if prompt_len + job.max_new_tokens > model.cfg.max_position:
         raise PartyFailure(config.prompt_owner, f"a prompt of {prompt_len} tokens + "
                            f"{job.max_new_tokens} new tokens exceeds the model's context of "
                            f"{model.cfg.max_position}")
+    try:
+        check_job_bounds(config, prompt_len=prompt_len)
+    except NodeConfigError as err:
+        raise PartyFailure(config.prompt_owner, f"party {config.prompt_owner} announced a "
+                                                f"prompt of {prompt_len} tokens: {err}") from None
+
+
+def warn_if_insecure(config: NodeConfig, party_id: str) -> None:
+    """Print a warning when the config allows plain TCP to non-loopback peers."""
+    remote = [pid for pid, address in config.parties
+              if not is_loopback(address.rpartition(":")[0])]
+    if config.link.tls is None and remote:
+        log(party_id, f"warning: link.insecure=true: shares, tokens and results travel as plain "
+                      f"TCP to {remote}, readable and forgeable on the network; add link.tls")

@@ -6,16 +6,20 @@ dead peer itself. `python -m experiments.party` therefore runs the party as a wo
 supervises it: a worker that dies without its own diagnosis is explained from the link errors
 in its SPU log (which name the peer's address), a worker that outlives `job.timeout_s` is
 killed. Either way the party exits non-zero with one `error:` line naming the failed party.
+SIGTERM / SIGINT / SIGHUP to the supervisor kill the worker first (exit 128 + signal), and the
+worker dies with the supervisor should it be killed outright (launch.bind_to_parent).
 """
 from __future__ import annotations
 
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
 
 from mpcache_jax.distributed.config import NodeConfig
+from mpcache_jax.distributed.launch import Interrupted, child_env, interruptible
 from mpcache_jax.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, blame,
                                            failing_peer, spu_log_path)
 
@@ -46,16 +50,26 @@ def blame_from_log(config: NodeConfig, party_id: str, log_path: pathlib.Path) ->
 
 def supervise(config: NodeConfig, party_id: str, output_dir: str, worker_cmd: list[str]) -> int:
     """Run `worker_cmd` (sharing this process's stdout/stderr); return the party's exit status."""
-    worker = subprocess.Popen(worker_cmd)
     deadline = time.monotonic() + config.job.timeout_s
-    try:
-        while worker.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        timed_out = worker.poll() is None
-        if timed_out:
-            worker.kill()
-        worker.wait()
+    worker = None
+    interrupted = None
+    with interruptible():
+        try:
+            worker = subprocess.Popen(worker_cmd, env=child_env())
+            while worker.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Interrupted as err:
+            interrupted = err
+        finally:
+            timed_out = worker is not None and worker.poll() is None
+            if timed_out:
+                worker.kill()
+            if worker is not None:
+                worker.wait()
+    if interrupted is not None:
+        report(party_id, f"stopped by {signal.Signals(interrupted.signum).name}; the worker "
+                         "was killed, no result")
+        return 128 + interrupted.signum
     code = worker.returncode
     if timed_out:
         report(party_id, f"no result within job.timeout_s={config.job.timeout_s:g} s; "

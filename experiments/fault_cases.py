@@ -1,0 +1,787 @@
+"""Every bad-input and fault case of the multi-party side, run for real, as one markdown table.
+
+    python -m experiments.fault_cases --output_dir=results/fault_cases
+    python -m experiments.fault_cases --only=tls,launcher      # cases whose name contains these
+
+Each case is an object with `name`, `did` (what was done), `expected` and `run(ctx)` ->
+`Observed` (exit codes, the error line that explains it, time to detect, pass/fail); `CASES`
+is the list. Kinds: `WireCase` (a forged message decoded in this process), `ConfigCase` (the
+`experiments.party` CLI on a bad node config: exit 2 before any party starts), `PartiesCase`
+(real party processes on loopback, some with patched code or certificates, a fault injected)
+and `LauncherSignalCase` (a signal to `experiments.party --party=all`). CLI cases of other
+commands can be added as more entries (any object with name / did / expected / run).
+
+Writes OUTPUT_DIR/fault_cases.md (the table) and fault_cases.jsonl (one record per case);
+every case's files (configs, certificates, party logs) are under OUTPUT_DIR/cases/<name>/.
+A hostile party is simulated by running its worker with a Python prelude that patches its
+code (skips its own checks, or sends a pickle / a forged share): exactly what a party that
+controls its own machine can do. The pickles are built as bytes and never loaded here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY_JOB = {"model": "llama-tiny", "num_layers": 2, "policy": "mpcache", "budget": 0.5,
+            "policy_options": {"static_sinks": 4, "static_recent": 8,
+                               "levels": [[8, 0.5], [4, None]]},
+            "seq_len": 32, "max_new_tokens": 2, "reveal_logits": False, "timeout_s": 240}
+
+# Preludes run in a party's worker before experiments.party's main (simulated hostile code).
+SKIP_OWN_CERT_CHECK = ("import mpcache_jax.distributed.config as _config\n"
+                       "_config.check_own_certificate = lambda *a, **k: None\n")
+SEND_PICKLE = """
+import os, pickle
+from mpcache_jax.distributed import wire
+class _Command:
+    def __reduce__(self):
+        return (os.system, ("touch {marker}",))
+wire.encode_share = lambda name, share: pickle.dumps(_Command())
+"""
+SEND_WRONG_SHAPE = """
+from mpcache_jax.distributed import wire
+def _v(n):
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out += bytes([b | (0x80 if n else 0)])
+        if not n:
+            return out
+def _forged(name, share):
+    meta, old = b"", bytes(share.meta)
+    for f, w, v in wire._fields(old):
+        if f == 4:   # the shape: one more dimension of 7
+            dims = b"".join(_v(d) for d in wire.parse_meta(old)["shape"]) + _v(7)
+            v = b"\\x0a" + _v(len(dims)) + dims
+        meta += _v(f << 3 | w) + (_v(v) if w == 0 else _v(len(v)) + v)
+    chunks = [bytes(c) for c in share.share_chunks]
+    return wire.pack({"kind": "share", "name": name, "meta": len(meta),
+                      "chunks": [len(c) for c in chunks]}, meta + b"".join(chunks))
+wire.encode_share = _forged
+"""
+
+
+# ----- helpers shared with tests/test_distributed.py ------------------------------------------
+
+def tag(party: str) -> str:
+    return party.replace(":", "_")
+
+
+def node_config(parties: int, protocol: str, ports: list[int] | None = None,
+                job: dict | None = None, **link) -> dict:
+    """A loopback node config for the tiny job (`ports`: one per party, default 61400+i)."""
+    ids = [f"node:{i}" for i in range(parties)]
+    ports = ports or [61400 + i for i in range(parties)]
+    return {
+        "id": f"test.{parties}pc",
+        "nodes": {pid: f"127.0.0.1:{port}" for pid, port in zip(ids, ports)},
+        "devices": {
+            "SPU": {"kind": "SPU", "config": {
+                "node_ids": ids,
+                "runtime_config": {"protocol": protocol, "field": "FM64"},
+                "link": {"peer_timeout_s": 10, "recv_timeout_s": 180, "connect_timeout_s": 60,
+                         "connect_retry_times": 60, "connect_retry_interval_ms": 500,
+                         "http_timeout_ms": 5000, **link}}},
+            "MODEL_OWNER": {"kind": "PYU", "config": {"node_id": "node:0"}},
+            "PROMPT_OWNER": {"kind": "PYU", "config": {"node_id": "node:1"}},
+        },
+        "job": {**TINY_JOB, **(job or {})},
+    }
+
+
+def _openssl(*args, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_ca(directory: pathlib.Path, name: str = "ca") -> None:
+    """A throwaway self-signed CA: directory/name.crt, name.key."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
+             "-out", f"{name}.crt", "-days", "1", "-subj", f"/CN={name}", cwd=directory)
+
+
+def issue_cert(directory: pathlib.Path, file_tag: str, cn: str, ca: str = "ca",
+               san: str = "IP:127.0.0.1,DNS:localhost") -> None:
+    """directory/file_tag.crt + .key: CN=cn, subjectAltName=san, signed by directory/ca."""
+    (directory / f"{file_tag}.ext").write_text(f"subjectAltName={san}\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{file_tag}.key", "-out",
+             f"{file_tag}.csr", "-subj", f"/CN={cn}", cwd=directory)
+    _openssl("x509", "-req", "-in", f"{file_tag}.csr", "-CA", f"{ca}.crt", "-CAkey",
+             f"{ca}.key", "-CAcreateserial", "-out", f"{file_tag}.crt", "-days", "1",
+             "-extfile", f"{file_tag}.ext", cwd=directory)
+
+
+def make_certs(directory: pathlib.Path, parties: list[str], ca_name: str = "ca") -> None:
+    """A CA and one certificate per party by the identity rule (CN = node id, SAN 127.0.0.1)."""
+    make_ca(directory, ca_name)
+    for pid in parties:
+        issue_cert(directory, tag(pid), pid, ca_name)
+
+
+def tls_section(certs: dict[str, str], ca: str = "certs/ca.crt") -> dict:
+    """link.tls with certs {party: file tag under certs/}."""
+    return {"ca": ca, "certs": {p: {"cert": f"certs/{t}.crt", "key": f"certs/{t}.key"}
+                                for p, t in certs.items()}}
+
+
+def start_party(config_path: pathlib.Path, party: str, out: pathlib.Path,
+                prelude: str | None = None) -> subprocess.Popen:
+    """One party as `python -m experiments.party` (supervisor + worker), or with `prelude` its
+    worker alone running the prelude first (patched code). Own session; output to
+    out/party_<tag>.log; dies with this process (launch.child_env)."""
+    from mpcache_jax.distributed.launch import child_env
+    args = [f"--node_config={config_path}", f"--party={party}", f"--output_dir={out}"]
+    if prelude is None:
+        cmd = [sys.executable, "-m", "experiments.party", *args]
+    else:
+        code = (f"{prelude}\nfrom absl import app\nfrom experiments import party\n"
+                "app.run(party.main)\n")
+        cmd = [sys.executable, "-c", code, "--worker", *args]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"party_{tag(party)}.log", "w") as logf:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=child_env())
+
+
+def kill_all(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGKILL every party's process group (also stopped ones) and reap them."""
+    for p in procs.values():
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs.values():
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def log_text(out: pathlib.Path, party: str) -> str:
+    path = out / f"party_{tag(party)}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def error_line(out: pathlib.Path, party: str) -> str:
+    """The last `error:` line of a party's log ('' if none)."""
+    lines = [l.strip() for l in log_text(out, party).splitlines() if "] error: " in l]
+    return lines[-1] if lines else ""
+
+
+def wait_for_log(out: pathlib.Path, parties, text: str, timeout: float,
+                 procs: dict[str, subprocess.Popen] | None = None) -> float:
+    """Wait until every party's log contains `text` -> the monotonic time it did; raises
+    TimeoutError (also when one of `procs` exits first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(text in log_text(out, p) for p in parties):
+            return time.monotonic()
+        if procs and any(procs[p].poll() is not None for p in parties if p in procs):
+            break
+        time.sleep(0.05)
+    raise TimeoutError(f"{text!r} did not appear in the logs of {list(parties)}")
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """Pids (other than this one) whose command line contains `marker`."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().split(") ")[-1][:1]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+# ----- cases -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Observed:
+    exit_codes: str
+    error: str
+    detect_s: float | None
+    passed: bool
+    note: str = ""
+    detect_from: str = ""
+
+
+@dataclasses.dataclass
+class Context:
+    """Where a case keeps its files, and the free ports it may use."""
+    root: pathlib.Path
+
+    def case_dir(self, name: str) -> pathlib.Path:
+        path = self.root / "cases" / re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    @staticmethod
+    def ports(n: int) -> list[int]:
+        from mpcache_jax.distributed.launch import free_ports
+        return free_ports(n)
+
+
+def _short(text: str, n: int = 260) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+@dataclasses.dataclass
+class WireCase:
+    """A forged message from 'node:0' decoded in this process against what a party expects."""
+    name: str
+    did: str
+    make: Callable[[pathlib.Path], tuple[Callable[[], object], pathlib.Path | None]]
+    expected: str = "WireError naming node:0; nothing executed"
+
+    def run(self, ctx: Context) -> Observed:
+        from mpcache_jax.distributed.wire import WireError
+        folder = ctx.case_dir(self.name)
+        decode, marker = self.make(folder)
+        start = time.perf_counter()
+        try:
+            decode()
+        except WireError as err:
+            took = time.perf_counter() - start
+            clean = marker is None or not marker.exists()
+            ok = err.party == "node:0" and clean
+            return Observed("-", f"WireError: {err}", took, ok,
+                            "" if clean else f"{marker} was created", "to decode")
+        except Exception as err:  # noqa: BLE001 - reported as a failed case
+            return Observed("-", f"{type(err).__name__}: {err}", None, False)
+        return Observed("-", "accepted", None, False)
+
+
+@dataclasses.dataclass
+class ConfigCase:
+    """`python -m experiments.party` on a bad node config: exit 2 before anything starts."""
+    name: str
+    did: str
+    mutate: Callable[[dict, pathlib.Path], None]
+    must_say: tuple[str, ...]
+    party: str = "all"
+    extra_args: tuple[str, ...] = ()
+    expected: str = "exit 2 before any party starts, saying what to change"
+
+    def run(self, ctx: Context) -> Observed:
+        folder = ctx.case_dir(self.name)
+        raw = node_config(3, "ABY3", ctx.ports(3))
+        self.mutate(raw, folder)
+        path = folder / "nodes.json"
+        path.write_text(json.dumps(raw))
+        out = folder / "out"
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-m", "experiments.party",
+                                 f"--node_config={path}", f"--party={self.party}",
+                                 f"--output_dir={out}", *self.extra_args],
+                                cwd=REPO, capture_output=True, text=True, timeout=300)
+        took = time.perf_counter() - start
+        errors = [l for l in result.stderr.splitlines() if "] error: " in l]
+        line = errors[-1] if errors else result.stderr.strip().splitlines()[-1:] or [""]
+        line = line if isinstance(line, str) else line[0]
+        started = list(out.glob("party_*.log")) if out.exists() else []
+        ok = (result.returncode == 2 and all(s in line for s in self.must_say) and not started
+              and "Traceback" not in result.stderr)
+        return Observed(str(result.returncode), line, took, ok,
+                        f"{len(started)} party logs" if started else "", "whole command")
+
+
+@dataclasses.dataclass
+class PartiesCase:
+    """Real parties on loopback; `setup(ctx, folder, ports)` -> {party: (config path, prelude
+    or None)} (parties it leaves out are never started); `fault(procs)` is injected once every
+    started party logged `fault_after` ('' = at once); the case passes when every party in
+    `judges` exits `judge_exit`, the error line of every judge (`say_in="all"`) or of at least
+    one (`"any"`: e.g. when the first party to notice ends the run before the others could
+    look) contains each of `must_say`, and `check(folder)` returns ''. Time to detect, to the
+    last judge's exit: from the fault (clock "fault"), from the first judge's 'linking' line
+    ("linking": waiting for peers) or from the parties' start ("start")."""
+    name: str
+    did: str
+    expected: str
+    setup: Callable
+    judges: tuple[str, ...]
+    must_say: tuple[str, ...]
+    fault: Callable[[dict], None] | None = None
+    fault_after: str = ""
+    judge_exit: int = 3
+    check: Callable[[pathlib.Path], str] | None = None
+    say_in: str = "all"
+    clock: str = ""
+    timeout_s: float = 150.0
+
+    def run(self, ctx: Context) -> Observed:
+        folder = ctx.case_dir(self.name)
+        out = folder / "out"
+        plan = self.setup(ctx, folder)
+        t_start = time.monotonic()
+        procs = {pid: start_party(path, pid, out, prelude) for pid, (path, prelude) in plan.items()}
+        clock = self.clock or ("fault" if self.fault is not None else "linking")
+        t0 = None
+        try:
+            if self.fault is not None:
+                if self.fault_after:
+                    wait_for_log(out, list(procs), self.fault_after, self.timeout_s, procs)
+                self.fault(procs)
+                t0 = time.monotonic()
+            deadline = time.monotonic() + self.timeout_s
+            linking = None
+            while time.monotonic() < deadline and any(procs[j].poll() is None for j in self.judges):
+                if linking is None and any("] linking to " in log_text(out, j)
+                                           for j in self.judges):
+                    linking = time.monotonic()
+                time.sleep(0.05)
+            t_end = time.monotonic()
+            start = {"fault": t0, "linking": linking, "start": t_start}[clock]
+        finally:
+            codes = {pid: p.poll() for pid, p in procs.items()}
+            kill_all(procs)
+        lines = {j: error_line(out, j) for j in self.judges}
+        saying = [j for j in self.judges if all(s in lines[j] for s in self.must_say)]
+        ok = (all(codes[j] == self.judge_exit for j in self.judges) and
+              (saying == list(self.judges) if self.say_in == "all" else bool(saying)))
+        note = self.check(folder) if self.check else ""
+        ok = ok and not note
+        shown = " / ".join(f"{p}: {'running' if c is None else c}" for p, c in codes.items())
+        first = lines[saying[0] if saying else self.judges[0]]
+        took = None if start is None else t_end - start
+        return Observed(shown, first, took, ok, note, {"fault": "after the fault", "linking":
+                                                       "after linking began",
+                                                       "start": "after start"}[clock])
+
+
+@dataclasses.dataclass
+class LauncherSignalCase:
+    """`python -m experiments.party --party=all` gets `signum` once every party is linked."""
+    name: str
+    signum: int
+    did: str
+    expected: str
+
+    def run(self, ctx: Context) -> Observed:
+        folder = ctx.case_dir(self.name)
+        out = folder / "out"
+        raw = node_config(3, "ABY3", ctx.ports(3), job={"max_new_tokens": 16})
+        path = folder / "nodes.json"
+        path.write_text(json.dumps(raw))
+        launcher = subprocess.Popen([sys.executable, "-m", "experiments.party",
+                                     f"--node_config={path}", "--party=all",
+                                     f"--output_dir={out}"],
+                                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+        try:
+            wait_for_log(out, raw["nodes"], "] link up", 180)
+            launcher.send_signal(self.signum)
+            t0 = time.monotonic()
+            _, stderr = launcher.communicate(timeout=60)
+            gone = None
+            while time.monotonic() - t0 < 30:
+                if not processes_mentioning(str(out)):
+                    gone = time.monotonic() - t0
+                    break
+                time.sleep(0.1)
+            time.sleep(3)    # anything still alive would now write its results
+            left = processes_mentioning(str(out))
+            files = [p.name for p in (out / "results.jsonl", out / "outputs.npz") if p.exists()]
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+            for pid in processes_mentioning(str(out)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        code = launcher.returncode
+        want = -self.signum if self.signum == signal.SIGKILL else 128 + self.signum
+        errors = [l for l in (stderr or "").splitlines() if "] error: " in l]
+        ok = code == want and not left and not files
+        note = (f"{len(left)} party processes left" if left else "") + \
+               (f" result files {files}" if files else "")
+        return Observed(f"launcher {code}", errors[-1] if errors else "(killed, no output)",
+                        gone, ok, note.strip() or "no party process, no result file",
+                        "signal to no party process")
+
+
+# ----- the list ---------------------------------------------------------------------------------
+
+def _wire_cases() -> list:
+    """Forged peer messages (in process)."""
+    import pickle
+
+    import numpy as np
+    import spu
+
+    from mpcache_jax.distributed import wire
+
+    def io(protocol="ABY3"):
+        cfg = spu.RuntimeConfig(protocol=getattr(spu.ProtocolKind, protocol),
+                                field=spu.FieldType.FM64)
+        return spu.Io({"ABY3": 3, "SEMI2K": 2}[protocol], cfg)
+
+    def share(x, protocol="ABY3", vis=spu.Visibility.VIS_SECRET):
+        kw = {"owner_rank": 0} if vis == spu.Visibility.VIS_SECRET else {}
+        return io(protocol).make_shares(np.asarray(x), vis, **kw)[1]
+
+    expect = wire.ShareSpec.like("v1", share(np.ones((2, 3), np.float32)))
+
+    def decoding(message):
+        return lambda folder: ((lambda: wire.decode_share(message, expect, "node:0")), None)
+
+    class _Command:
+        def __init__(self, command):
+            self.command = command
+
+        def __reduce__(self):
+            return (os.system, (self.command,))
+
+    def pickled(folder):
+        marker = folder / "pwned"
+        message = pickle.dumps(_Command(f"touch {marker}"))      # bytes only, never loaded
+        return (lambda: wire.decode_share(message, expect, "node:0")), marker
+
+    good = wire.encode_share("v1", share(np.ones((2, 3), np.float32)))
+    deep = b"[" * 50_000
+    import struct
+    return [
+        WireCase("wire: pickle (os.system)", "a share message that is a pickle whose "
+                 "__reduce__ calls os.system('touch MARKER')", pickled),
+        WireCase("wire: pickled SPU share", "pickle.dumps(libspu.Share) as the message",
+                 decoding(pickle.dumps(share(np.ones((2, 3), np.float32))))),
+        WireCase("wire: wrong dtype", "an int32 share where a float32 one is expected",
+                 decoding(wire.encode_share("v1", share(np.ones((2, 3), np.int32))))),
+        WireCase("wire: wrong shape", "a (3, 2) share where (2, 3) is expected",
+                 decoding(wire.encode_share("v1", share(np.ones((3, 2), np.float32))))),
+        WireCase("wire: public value", "a public value where a secret share is expected",
+                 decoding(wire.encode_share("v1", share(np.ones((2, 3), np.float32),
+                                                        vis=spu.Visibility.VIS_PUBLIC)))),
+        WireCase("wire: other protocol", "a SEMI2K share where an ABY3 share is expected",
+                 decoding(wire.encode_share("v1", share(np.ones((2, 3), np.float32),
+                                                        "SEMI2K")))),
+        WireCase("wire: truncated", "the share message minus its last byte",
+                 decoding(good[:-1])),
+        WireCase("wire: extra bytes", "the share message plus one byte", decoding(good + b"\0")),
+        WireCase("wire: oversized header", "a header length of 1 MiB",
+                 decoding(struct.pack(">I", 1 << 20) + good)),
+        WireCase("wire: nested header", "a 50,000-deep JSON header (parser recursion)",
+                 decoding(struct.pack(">I", len(deep)) + deep)),
+        WireCase("wire: wrong name", "the share of 'v2' where 'v1' is expected",
+                 decoding(wire.encode_share("v2", share(np.ones((2, 3), np.float32))))),
+        WireCase("wire: wrong kind", "a JSON message where a share is expected",
+                 decoding(wire.encode_json("v1", [1, 2, 3]))),
+    ]
+
+
+def _spu(raw: dict) -> dict:
+    return raw["devices"]["SPU"]["config"]
+
+
+def _tls_files(folder: pathlib.Path, parties, *, shared_imposter=False, swap=None,
+               other_ca_for=None) -> dict:
+    """Certificates under folder/certs and the link.tls section that uses them."""
+    certs = folder / "certs"
+    make_certs(certs, list(parties))
+    files = {p: tag(p) for p in parties}
+    if shared_imposter:
+        issue_cert(certs, "imposter", "imposter", san="IP:10.9.9.9")
+        files = {p: "imposter" for p in parties}
+    if swap:
+        files[swap[0]] = tag(swap[1])
+    if other_ca_for:
+        make_ca(certs, "ca2")
+        issue_cert(certs, "other_ca", other_ca_for, ca="ca2")
+        files[other_ca_for] = "other_ca"
+    return tls_section(files)
+
+
+def _config_cases() -> list:
+    def link(**kw):
+        return lambda raw, folder: _spu(raw)["link"].update(kw)
+
+    def job(**kw):
+        return lambda raw, folder: raw["job"].update(kw)
+
+    def rename(raw, folder):
+        raw["nodes"]["a/b"] = raw["nodes"].pop("node:2")
+        _spu(raw)["node_ids"][2] = "a/b"
+
+    def remote(raw, folder):
+        raw["nodes"]["node:2"] = "10.0.0.3:61320"
+
+    def all_one_cert(raw, folder):
+        _spu(raw)["link"]["tls"] = _tls_files(folder, raw["nodes"], shared_imposter=True)
+
+    def owner_with_node2_cert(raw, folder):
+        _spu(raw)["link"]["tls"] = _tls_files(folder, raw["nodes"], swap=("node:1", "node:2"))
+
+    return [
+        ConfigCase("config: node id a/b", "node id 'a/b' (crashed the launcher, which left "
+                   "parties holding ports)", rename, ("node id 'a/b' is not allowed",)),
+        ConfigCase("config: string peer_timeout_s", 'link.peer_timeout_s = "10"',
+                   link(peer_timeout_s="10"), ("link.peer_timeout_s='10' must be a number",)),
+        ConfigCase("config: non-integer retries", "link.connect_retry_times = 1.5",
+                   link(connect_retry_times=1.5), ("link.connect_retry_times=1.5 must be an "
+                                                   "integer",)),
+        ConfigCase("config: string prompt_ids", 'job.prompt_ids = ["1", "2", ...] (32 strings)',
+                   job(prompt_ids=[str(i) for i in range(32)]),
+                   ("job.prompt_ids must be a list of integer token ids",)),
+        ConfigCase("config: seq_len 1e9", "job.seq_len = 1000000000 (grew past 6 GB)",
+                   job(seq_len=10**9), ("exceeds llama-tiny's context of 4096",)),
+        ConfigCase("config: max_new_tokens 1e6", "job.max_new_tokens = 1000000 (ran until the "
+                   "job timeout)", job(max_new_tokens=10**6), ("exceeds llama-tiny's context",)),
+        ConfigCase("config: memory estimate", "llama2-d1024 (all 32 layers), seq_len 4000, "
+                   "ABY3, 3 parties on this machine",
+                   job(model="llama2-d1024", num_layers=None, seq_len=4000, policy="full",
+                       policy_options={}),
+                   ("per party", "over the limit")),
+        ConfigCase("config: --job override", "--job='{\"timeout_s\": \"60\"}' to the launcher",
+                   lambda raw, folder: None, ("job.timeout_s='60' must be a number",),
+                   extra_args=('--job={"timeout_s": "60"}',)),
+        ConfigCase("config: plain TCP off loopback", "node:2 at 10.0.0.3, no link.tls, no "
+                   "insecure (ran as plain TCP without a warning)", remote,
+                   ('add "insecure": true', "not on loopback"), party="node:0"),
+        ConfigCase("config: one cert for all (launcher)", "one certificate (CN=imposter, SAN "
+                   "IP:10.9.9.9) for all three nodes", all_one_cert,
+                   ("node 'node:0'", "CN='imposter'")),
+        ConfigCase("config: owner has node:2's cert", "the prompt owner node:1 configured with "
+                   "node:2's certificate", owner_with_node2_cert,
+                   ("node 'node:1'", "CN='node:2'")),
+    ]
+
+
+def _write_config(folder: pathlib.Path, raw: dict, name: str = "nodes.json") -> pathlib.Path:
+    path = folder / name
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def _party_cases() -> list:
+    parties3 = ["node:0", "node:1", "node:2"]
+
+    def tls_plan(**tls_kw):
+        """Every party reads a config whose certs follow tls_kw; all run patched to skip their
+        own certificate check (a party controls its own code)."""
+        def setup(ctx, folder):
+            raw = node_config(3, "ABY3", ctx.ports(3), connect_timeout_s=20)
+            _spu(raw)["link"]["tls"] = _tls_files(folder, parties3, **tls_kw)
+            path = _write_config(folder, raw)
+            return {p: (path, SKIP_OWN_CERT_CHECK) for p in parties3}
+        return setup
+
+    def swapped_owner(ctx, folder):
+        raw = node_config(3, "ABY3", ctx.ports(3), connect_timeout_s=20)
+        _spu(raw)["link"]["tls"] = _tls_files(folder, parties3)
+        honest = _write_config(folder, raw)
+        _spu(raw)["link"]["tls"]["certs"]["node:1"] = dict(
+            _spu(raw)["link"]["tls"]["certs"]["node:2"])
+        hostile = _write_config(folder, raw, "nodes_node1.json")
+        return {"node:0": (honest, None), "node:1": (hostile, SKIP_OWN_CERT_CHECK),
+                "node:2": (honest, None)}
+
+    def plain(n=3, start=None, prelude=None, **link):
+        def setup(ctx, folder):
+            raw = node_config(n, "ABY3" if n == 3 else "SEMI2K", ctx.ports(n), **link)
+            path = _write_config(folder, raw)
+            ids = [f"node:{i}" for i in range(n)]
+            return {p: (path, (prelude or {}).get(p)) for p in (start or ids)}
+        return setup
+
+    def kill(party, sig=signal.SIGKILL):
+        def fault(procs):
+            os.killpg(procs[party].pid, sig)
+        return fault
+
+    def no_marker(folder):
+        marker = pathlib.Path("/tmp/mpcache_fault_case_pwned")
+        return f"{marker} was created" if marker.exists() else ""
+
+    marker = "/tmp/mpcache_fault_case_pwned"
+    if os.path.exists(marker):
+        os.remove(marker)
+
+    def insecure_remote(ctx, folder):
+        ports = ctx.ports(2)
+        raw = node_config(2, "SEMI2K", ports, connect_timeout_s=5, insecure=True)
+        raw["nodes"]["node:1"] = f"10.255.255.1:{ports[1]}"
+        return {"node:0": (_write_config(folder, raw), None)}
+
+    def other_policy(ctx, folder):
+        raw = node_config(3, "ABY3", ctx.ports(3))
+        honest = _write_config(folder, raw)
+        raw["job"].update(policy="full", policy_options={})
+        other = _write_config(folder, raw, "nodes_node2.json")
+        return {"node:0": (honest, None), "node:1": (honest, None), "node:2": (other, None)}
+
+    def stopped_by_sigterm(folder):
+        text = log_text(folder / "out", "node:2")
+        return "" if "error: stopped by SIGTERM" in text else "node:2 did not report SIGTERM"
+
+    def warned(folder):
+        text = log_text(folder / "out", "node:0")
+        return "" if "warning: link.insecure=true" in text else "no warning printed"
+
+    return [
+        PartiesCase("tls: one cert for all (patched)", "one CA-signed certificate (CN=imposter, "
+                    "SAN IP:10.9.9.9) for all three nodes; every party's own check skipped",
+                    "every party exits 3; those that saw a peer name it, the expected node and "
+                    "CN='imposter' (the others see the first ones gone)",
+                    tls_plan(shared_imposter=True), ("node:0", "node:1", "node:2"),
+                    ("is not who the config says", "CN='imposter'", "where node 'node:"),
+                    say_in="any", clock="start"),
+        PartiesCase("tls: owner presents node:2's cert", "the prompt owner node:1 presents "
+                    "node:2's (valid, CA-signed) certificate; its own check skipped",
+                    "node:0 and node:2 exit 3 naming node:1 and CN='node:2'", swapped_owner,
+                    ("node:0", "node:2"), ("party node:1 ", "CN='node:2'", "node 'node:1'"),
+                    clock="start"),
+        PartiesCase("tls: certificate from another CA", "node:2's certificate is signed by "
+                    "another CA", "node:0 and node:1 exit 3: node:2 failed the TLS handshake",
+                    tls_plan(other_ca_for="node:2"), ("node:0", "node:1"),
+                    ("party node:2 ", "TLS handshake"), clock="start"),
+        PartiesCase("insecure: plain TCP off loopback", 'node:1 at 10.255.255.1 (unroutable), '
+                    '"insecure": true; only node:0 started',
+                    "warning printed; node:0 exits 3: node:1 never came up within "
+                    "connect_timeout_s=5", insecure_remote, ("node:0",),
+                    ("party node:1 never came up within link.connect_timeout_s=5 s",),
+                    check=warned),
+        PartiesCase("fault: party never started", "3 parties, node:2 never started, "
+                    "connect_timeout_s=5", "node:0 and node:1 exit 3 naming node:2 within "
+                    "connect_timeout_s", plain(start=["node:0", "node:1"], connect_timeout_s=5),
+                    ("node:0", "node:1"),
+                    ("party node:2 never came up within link.connect_timeout_s=5 s",)),
+        PartiesCase("fault: killed before link-up", "node:2 SIGKILLed 1 s after it was started "
+                    "(during start-up), connect_timeout_s=5",
+                    "node:0 and node:1 exit 3 naming node:2 within connect_timeout_s",
+                    plain(connect_timeout_s=5), ("node:0", "node:1"),
+                    ("party node:2 never came up",),
+                    fault=lambda procs: (time.sleep(1.0), kill("node:2")(procs))),
+        PartiesCase("fault: killed after link-up", "node:2 SIGKILLed once every party is "
+                    "linked, peer_timeout_s=3", "node:0 and node:1 exit 3 naming node:2",
+                    plain(peer_timeout_s=3), ("node:0", "node:1"), ("party node:2 ",),
+                    fault=kill("node:2"), fault_after="] link up"),
+        PartiesCase("fault: hung after link-up", "node:2 SIGSTOPped once every party is linked, "
+                    "peer_timeout_s=3", "node:0 and node:1 exit 3 naming node:2",
+                    plain(peer_timeout_s=3), ("node:0", "node:1"), ("party node:2 ",),
+                    fault=kill("node:2", signal.SIGSTOP), fault_after="] link up"),
+        PartiesCase("fault: SIGTERM to one party", "SIGTERM to node:2's supervisor once every "
+                    "party is linked, peer_timeout_s=3", "node:2 kills its worker and exits 143 "
+                    "saying so; node:0 and node:1 exit 3 naming node:2", plain(peer_timeout_s=3),
+                    ("node:0", "node:1"), ("party node:2 ",),
+                    fault=lambda procs: procs["node:2"].send_signal(signal.SIGTERM),
+                    fault_after="] link up", check=stopped_by_sigterm),
+        PartiesCase("fault: different job on one party", "node:2's config runs policy 'full', "
+                    "the others 'mpcache'", "every party exits 3: the compiled programs' "
+                    "SHA-256 differ (parties named)", other_policy, ("node:0", "node:1", "node:2"),
+                    ("compiled a different",)),
+        PartiesCase("wire: model owner sends a pickle", "node:0 (patched) sends a pickle that "
+                    f"would run `touch {marker}` instead of its first weight share",
+                    "node:1 and node:2 exit 3 naming node:0; no marker file",
+                    plain(prelude={"node:0": SEND_PICKLE.format(marker=marker)}),
+                    ("node:1", "node:2"), ("party node:0 sent", "weight sharing"),
+                    check=no_marker),
+        PartiesCase("wire: model owner sends a wrong shape", "node:0 (patched) sends its first "
+                    "weight share with an extra dimension", "node:1 and node:2 exit 3 naming "
+                    "node:0", plain(prelude={"node:0": SEND_WRONG_SHAPE}), ("node:1", "node:2"),
+                    ("party node:0 sent", "shape")),
+    ]
+
+
+def _launcher_cases() -> list:
+    return [
+        LauncherSignalCase("launcher: SIGTERM", signal.SIGTERM, "SIGTERM to `experiments.party "
+                           "--party=all` once every party is linked (16-token job)",
+                           "launcher exits 143; no party process; no results.jsonl/outputs.npz"),
+        LauncherSignalCase("launcher: SIGKILL (crash)", signal.SIGKILL, "SIGKILL to the "
+                           "launcher once every party is linked", "no party process (they die "
+                           "with it); no results.jsonl/outputs.npz"),
+    ]
+
+
+def all_cases() -> list:
+    """Every case, fast ones first."""
+    return _wire_cases() + _config_cases() + _party_cases() + _launcher_cases()
+
+
+# ----- running and reporting ---------------------------------------------------------------------
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def table(rows: list[tuple]) -> str:
+    """Markdown table of (case, observed) pairs."""
+    head = ("| case | what was done | observed: exit | observed: error line | time to detect "
+            "| expected | result |\n|---|---|---|---|---|---|---|")
+    lines = [head]
+    for case, obs in rows:
+        took = "-" if obs.detect_s is None else (f"{obs.detect_s * 1000:.1f} ms"
+                                                 if obs.detect_s < 0.5 else
+                                                 f"{obs.detect_s:.1f} s")
+        if obs.detect_s is not None and obs.detect_from:
+            took += f" ({obs.detect_from})"
+        result = "pass" if obs.passed else "FAIL"
+        if obs.note:
+            result += f" ({obs.note})"
+        lines.append("| " + " | ".join(_cell(x) for x in (
+            case.name, case.did, obs.exit_codes, _short(obs.error), took, case.expected,
+            result)) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default="results/fault_cases")
+    parser.add_argument("--only", default="", help="comma-separated substrings of case names")
+    args = parser.parse_args(argv)
+    root = pathlib.Path(args.output_dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    ctx = Context(root)
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    cases = [c for c in all_cases() if not wanted or any(w in c.name for w in wanted)]
+    rows = []
+    records = root / "fault_cases.jsonl"
+    start = time.perf_counter()
+    with open(records, "w") as f:
+        for case in cases:
+            t = time.perf_counter()
+            try:
+                obs = case.run(ctx)
+            except Exception as err:  # noqa: BLE001 - one broken case must not hide the rest
+                obs = Observed("-", f"case error: {type(err).__name__}: {err}", None, False)
+            rows.append((case, obs))
+            f.write(json.dumps({"case": case.name, "did": case.did, "expected": case.expected,
+                                **dataclasses.asdict(obs), "case_s": time.perf_counter() - t})
+                    + "\n")
+            f.flush()
+            took = time.perf_counter() - t
+            print(f"{'pass' if obs.passed else 'FAIL'}  {case.name}  ({took:.1f} s)  "
+                  f"{_short(obs.error, 160)}", flush=True)
+    text = table(rows)
+    passed = sum(obs.passed for _, obs in rows)
+    summary = (f"{passed}/{len(rows)} cases pass ({time.perf_counter() - start:.0f} s; "
+               f"`python -m experiments.fault_cases --output_dir={args.output_dir}`)")
+    (root / "fault_cases.md").write_text(text + "\n\n" + summary + "\n")
+    print()
+    print(text)
+    print()
+    print(summary)
+    return 0 if passed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
