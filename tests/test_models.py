@@ -236,3 +236,29 @@ def test_llama_gqa_matches_transformers():
         errs[f"decode_{step}"] = _max_err(logits, ref[pos])
     print("llama GQA vs transformers max |dlogit|:", {k: f"{v:.2e}" for k, v in errs.items()})
     assert max(errs.values()) <= TOL, errs
+
+
+def test_models_package_has_no_import_cycle():
+    """The loaders (smollm2, hf_gpt2) and everything under them never import the registry,
+    which imports them: the module import graph of models/ is acyclic."""
+    import ast
+    import pathlib
+    root = pathlib.Path(model_mod.__file__).parent
+    graph = {}
+    for path in root.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "models":
+                deps |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("models."):
+                deps.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("models.")}
+        graph[path.stem] = deps & {p.stem for p in root.glob("*.py")}
+    assert "smollm2" in graph["registry"] and "hf_gpt2" in graph["registry"]
+
+    def reaches(start, target, seen=()):
+        return any(d == target or (d not in seen and reaches(d, target, seen + (d,)))
+                   for d in graph[start])
+    cycles = sorted(m for m in graph if reaches(m, m))
+    assert not cycles, f"import cycle through {cycles}: {graph}"

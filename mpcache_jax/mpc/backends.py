@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import os
 import queue
+import re
 import tempfile
 import threading
 import time
@@ -191,8 +192,9 @@ class SpuSimBackend:
                 cls._log_path = path
 
     # ----- compile --------------------------------------------------------------------------
-    def compile(self, fn: Callable, args: tuple, visibility) -> Program:
-        return compile_spu(fn, args, visibility)
+    def compile(self, fn: Callable, args: tuple, visibility, allow_reveals: bool = False
+                ) -> Program:
+        return compile_spu(fn, args, visibility, allow_reveals)
 
     # ----- data -----------------------------------------------------------------------------
     def _handle(self, shape, dtype, visibility) -> Shared:
@@ -289,9 +291,15 @@ class SpuSimBackend:
         return read_run_profiles(self._log_path, offset, self.world, timeout_s=10.0)
 
 
-def compile_spu(fn: Callable, args: tuple, visibility) -> Program:
+class RevealingProgram(ValueError):
+    """A compiled program makes a secret public before its outputs."""
+
+
+def compile_spu(fn: Callable, args: tuple, visibility, allow_reveals: bool = False) -> Program:
     """SPU executable of `fn` for example `args` (arrays or ShapeDtypeStructs) whose leaves
-    have the given visibility; the output visibility is read from the compiled module."""
+    have the given visibility; the output visibility is read from the compiled module. A
+    program that reveals a secret before its outputs (`secret_reveals`) is refused unless
+    `allow_reveals` (tests of the check itself)."""
     import spu.libspu as libspu
     from spu.utils import frontend as spu_fe
     flat, in_tree = jax.tree_util.tree_flatten(args)
@@ -308,8 +316,49 @@ def compile_spu(fn: Callable, args: tuple, visibility) -> Program:
         spu_fe.Kind.JAX, flat_fn, flat, {}, [f"{name}_in{i}" for i in range(len(flat))],
         spu_vis, lambda outs: [f"{name}_out{i}" for i in range(len(outs))])
     ir = executable.code.decode("utf-8")
+    leaks = secret_reveals(ir)
+    if leaks and not allow_reveals:
+        raise RevealingProgram(f"program {name!r} reveals a secret before its outputs "
+                               f"({len(leaks)} op(s), e.g. {leaks[0][:160]}); refusing to run it")
     return Program(name, in_tree, jax.tree_util.tree_structure(out_info), vis, executable, ir,
                    output_visibility(ir), jax.tree_util.tree_leaves(jax.eval_shape(fn, *args)))
+
+
+# ----- leakage check ------------------------------------------------------------------------
+_DEF = re.compile(r"^\s*(?P<res>%[\w#:]+(?:\s*,\s*%[\w#:]+)*)\s*=\s*(?P<body>.*)$")
+_VALUE = re.compile(r"%[\w]+(?:#\d+)?")
+
+
+def secret_reveals(ir: str) -> list[str]:
+    """Lines of a compiled pphlo module where a secret operand yields a public result (a
+    reveal inside the program), plus any explicit reveal custom call. Empty = the program only
+    makes public what was public on input."""
+    secret: set[str] = set()
+    bad = []
+    for line in ir.splitlines():
+        if "func.func" in line or "reducer(" in line or line.strip().startswith("^"):
+            for name, typ in re.findall(r"(%\w+): (tensor<[^>]*(?:<[^>]*>)?[^>]*>)", line):
+                if "secret" in typ:
+                    secret.add(name)
+            continue
+        if "reveal" in line:
+            bad.append(line.strip())
+            continue
+        m = _DEF.match(line)
+        if not m:
+            continue
+        results = [r.split(":")[0].strip() for r in m["res"].split(",")]
+        body = m["body"]
+        type_part = body.rsplit("->", 1)[1] if "->" in body else body.rsplit(" : ", 1)[-1]
+        operands = [v.split("#")[0] for v in _VALUE.findall(body.split(" : ")[0])]
+        secret_in = any(v in secret for v in operands)
+        result_types = re.findall(r"tensor<[^ ]*", type_part)
+        if "secret" in type_part:
+            secret.update(results)
+        if secret_in and any("secret" not in t for t in result_types):
+            bad.append(line.strip())
+    return bad
+
 
 
 def output_visibility(ir: str) -> list[str]:

@@ -17,7 +17,6 @@ owner, and follows the client's public decisions (stop after an end-of-turn toke
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from typing import Any, Callable, Sequence
 
@@ -26,46 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpcache_jax import programs
-from mpcache_jax.mpc.backends import CLIENT, PUBLIC, SECRET, SERVER
+from mpcache_jax.mpc.backends import CLIENT, PUBLIC, SECRET, SERVER, secret_reveals  # noqa: F401
 from mpcache_jax.mpc.costs import RunCost
 from mpcache_jax.policy import AttentionPolicy
 from mpcache_jax.programs import (StepPrograms, cache_visibility, onehot, shape_of)
-
-
-# ----- leakage check ------------------------------------------------------------------------
-_DEF = re.compile(r"^\s*(?P<res>%[\w#:]+(?:\s*,\s*%[\w#:]+)*)\s*=\s*(?P<body>.*)$")
-_VALUE = re.compile(r"%[\w]+(?:#\d+)?")
-
-
-def secret_reveals(ir: str) -> list[str]:
-    """Lines of a compiled pphlo module where a secret operand yields a public result (a
-    reveal inside the program), plus any explicit reveal custom call. Empty = the program only
-    makes public what was public on input."""
-    secret: set[str] = set()
-    bad = []
-    for line in ir.splitlines():
-        if "func.func" in line or "reducer(" in line or line.strip().startswith("^"):
-            for name, typ in re.findall(r"(%\w+): (tensor<[^>]*(?:<[^>]*>)?[^>]*>)", line):
-                if "secret" in typ:
-                    secret.add(name)
-            continue
-        if "reveal" in line:
-            bad.append(line.strip())
-            continue
-        m = _DEF.match(line)
-        if not m:
-            continue
-        results = [r.split(":")[0].strip() for r in m["res"].split(",")]
-        body = m["body"]
-        type_part = body.rsplit("->", 1)[1] if "->" in body else body.rsplit(" : ", 1)[-1]
-        operands = [v.split("#")[0] for v in _VALUE.findall(body.split(" : ")[0])]
-        secret_in = any(v in secret for v in operands)
-        result_types = re.findall(r"tensor<[^ ]*", type_part)
-        if "secret" in type_part:
-            secret.update(results)
-        if secret_in and any("secret" not in t for t in result_types):
-            bad.append(line.strip())
-    return bad
 
 
 # ----- sessions -------------------------------------------------------------------------------
