@@ -177,12 +177,38 @@ def record_key(task: str, sample_id: str, policy: str, budget) -> tuple:
     return (task, sample_id, policy, budget)
 
 
-def load_finished(samples_path):
-    """Per-sample records of an earlier run in the same output directory (--resume)."""
-    if not samples_path.exists():
-        raise SystemExit(f"--resume: no {samples_path} to resume from")
-    records = [json.loads(line) for line in samples_path.read_text().splitlines() if line]
-    print(f"resuming: {len(records)} finished sample x policy records in {samples_path}")
+# Flags that only choose which records a run makes (or where and how it runs); every other
+# flag can change a record, so --resume only reuses records made with the same values of those.
+SCOPE_FLAGS = ("task", "policies", "variants", "budgets", "resume", "output_dir", "verbose",
+               "policy_chunk", "mechanism", "experiment")
+
+
+def record_settings(FLAGS) -> dict:
+    """The flag values a sample record depends on (all but SCOPE_FLAGS)."""
+    return {k: v for k, v in common.flag_values(FLAGS).items() if k not in SCOPE_FLAGS}
+
+
+def load_finished(out, settings: dict):
+    """Per-sample records of an earlier run in `out` (--resume): samples.jsonl.partial when an
+    interrupted run left one, else samples.jsonl. Refuses records made with other settings."""
+    path = out / "samples.jsonl.partial"
+    if not path.exists():
+        path = out / "samples.jsonl"
+    if not path.exists():
+        raise ValueError(f"--resume: no {out / 'samples.jsonl'} to resume from")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    wanted = common.config_hash(settings)
+    foreign = [r for r in records if r.get("config_hash") != wanted]
+    if foreign:
+        old = json.loads((out / "run_config.json").read_text()) \
+            if (out / "run_config.json").exists() else {}
+        differ = sorted(k for k in settings if k in old and old[k] != settings[k])
+        why = (f"flags that differ: {', '.join(f'--{k} ({old[k]!r} then, {settings[k]!r} now)' for k in differ)}"
+               if differ else "they carry no or another settings hash")
+        raise ValueError(f"--resume: {len(foreign)} of {len(records)} records in {path} were made "
+                         f"with other settings ({why}); rerun with those settings, or into a new "
+                         "--output_dir")
+    print(f"resuming: {len(records)} finished sample x policy records in {path}")
     return records
 
 
@@ -229,6 +255,10 @@ def aggregate_mechanism(sample_records) -> list[dict]:
 
 
 def write_csv(rows: list[dict], columns: list[str], path) -> None:
+    common.replace_file(path, lambda tmp: _write_csv(rows, columns, tmp))
+
+
+def _write_csv(rows: list[dict], columns: list[str], path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
@@ -360,6 +390,10 @@ def run(FLAGS) -> None:
     policies = build_policies(FLAGS)
     lengths = parse_numbers("lengths", FLAGS.lengths, int)
     depths = parse_numbers("depths", FLAGS.depths, float)
+    out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
+    settings = record_settings(FLAGS)
+    settings_hash = common.config_hash(settings)
+    all_records = load_finished(out, settings) if FLAGS.resume else []
     loaded = common.with_model_numerics(
         registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
                       seed=FLAGS.seed, num_layers=FLAGS.num_layers), FLAGS)
@@ -367,9 +401,9 @@ def run(FLAGS) -> None:
         raise SystemExit(f"model {FLAGS.model!r} has no tokenizer; accuracy runs need a real model")
     samples = [sample for task in task_names
                for sample in make_samples(FLAGS, task, loaded.tokenizer, lengths, depths)]
-    out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
-    samples_path = out / "samples.jsonl"
-    all_records = load_finished(samples_path) if FLAGS.resume else []
+    # Records go to samples.jsonl.partial while the run lasts; the previous run's files stay as
+    # they were until this run has finished and replaces them all (a failed run mixes nothing).
+    samples_path = out / "samples.jsonl.partial"
     finished = {record_key(r["task"], r["sample_id"], r["policy"], r["budget"])
                 for r in all_records}
     samples_path.write_text("".join(json.dumps(r) + "\n" for r in all_records))
@@ -386,7 +420,8 @@ def run(FLAGS) -> None:
                 bar.update()
                 continue
             start, seen = time.perf_counter(), compilations()
-            records = evaluate_sample(loaded, sample, todo, FLAGS)
+            records = [{**r, "config_hash": settings_hash}
+                       for r in evaluate_sample(loaded, sample, todo, FLAGS)]
             if compilations() == seen:
                 warm_s.append(time.perf_counter() - start)
             common.write_jsonl(samples_path, records, append=True)
@@ -410,6 +445,8 @@ def run(FLAGS) -> None:
         print(f"wall time per sample after warm-up (all its policies): median "
               f"{np.median(warm_s):.1f} s over {len(warm_s)} samples")
     results = aggregate(all_records, FLAGS)
+    common.replace_file(out / "run_config.json",
+                        lambda tmp: tmp.write_text(json.dumps(settings, indent=1, default=str)))
     common.write_jsonl(out / "results.jsonl", results)
     write_summary(results, out / "summary.csv")
     written = ["results.jsonl", "samples.jsonl", "summary.csv"]
@@ -427,6 +464,7 @@ def run(FLAGS) -> None:
                              out / "needle_heatmap.png")
         written.append("needle_heatmap.png")
     print_table(results, mechanism_rows)
+    os.replace(samples_path, out / "samples.jsonl")
     print(f"wrote {out}/: {', '.join(written)}")
 
 

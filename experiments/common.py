@@ -39,15 +39,50 @@ def with_model_numerics(loaded, FLAGS):
 
 
 def ensure_dir(path: str | os.PathLike) -> pathlib.Path:
+    """`path` as a directory this process can write into (created when missing); a ValueError
+    saying what is wrong otherwise, so a run fails before it starts rather than at its end."""
     out = pathlib.Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output_dir={str(path)!r} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"--output_dir={str(path)!r} cannot be written ({err.strerror})") from None
     return out
 
 
+def replace_file(path: str | os.PathLike, write) -> None:
+    """Write a file atomically: `write(tmp_path)` then rename over `path`, so a reader (or a run
+    that fails half-way) never sees a half-written or mixed file."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def config_hash(values: dict[str, Any]) -> str:
+    """A short stable hash of settings (JSON, sorted keys)."""
+    import hashlib
+    text = json.dumps(values, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict], append: bool = False) -> None:
-    with open(path, "a" if append else "w") as f:
-        for record in records:
-            f.write(json.dumps(record, default=_json_default) + "\n")
+    """Append `records` to `path`, or replace it atomically (`replace_file`)."""
+    def write(target, mode):
+        with open(target, mode) as f:
+            for record in records:
+                f.write(json.dumps(record, default=_json_default) + "\n")
+    if append:
+        write(path, "a")
+    else:
+        replace_file(path, lambda tmp: write(tmp, "w"))
 
 
 def _json_default(value):

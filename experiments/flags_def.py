@@ -92,3 +92,36 @@ flags.DEFINE_string("output_dir", None, "Directory for results.jsonl (and plots,
 flags.DEFINE_bool("verbose", False, "Show the libraries' INFO logging (orbax, jax).")
 
 FLAGS = flags.FLAGS
+
+# Which flags each experiment reads. A flag given (on the command line or in a flagfile) to an
+# experiment that does not read it is an error rather than a silently ignored setting that
+# would still be recorded in the run's config. "nodes" is --backend=spu_nodes for
+# accuracy/mpc_cost (the node config's job per --policies x --seq_lens).
+COMMON_FLAGS = frozenset({"experiment", "model", "weights_path", "cache_dir", "num_layers",
+                          "seed", "output_dir", "verbose", "activation_impl"})
+EXPERIMENT_FLAGS = {
+    "generate": COMMON_FLAGS | {"backend", "policies", "budgets", "prompt", "prompt_file",
+                                "system_prompt", "chat", "max_new_tokens", "temperature",
+                                "top_p", "node_config", "protocol"},
+    "accuracy": COMMON_FLAGS | {"task", "policies", "variants", "budgets", "num_samples",
+                                "lengths", "depths", "data_path", "metric", "ppl_target_len",
+                                "buckets", "agree_tokens", "mechanism", "resume",
+                                "policy_chunk", "max_new_tokens"},
+    "mpc_cost": COMMON_FLAGS | {"backend", "policies", "variants", "budgets", "protocol",
+                                "runtime_config", "seq_lens", "mpc_bench", "topk_method",
+                                "mpc_share_from", "softmax", "no_cache_max_len",
+                                "gather_tokens", "gather_clusters", "gather_dim", "topk_rows",
+                                "topk_sizes", "prompt", "system_prompt", "chat",
+                                "max_new_tokens"},
+    "nodes": frozenset({"experiment", "backend", "node_config", "policies", "seq_lens", "model",
+                        "num_layers", "output_dir", "verbose"}),
+}
+
+
+def flags_not_used(experiment: str) -> list[str]:
+    """Flags defined here that were given but that `experiment` (a key of EXPERIMENT_FLAGS)
+    does not read."""
+    import sys
+    ours = [flag.name for flag in FLAGS.get_flags_for_module(sys.modules[__name__])]
+    return sorted(name for name in ours
+                  if FLAGS[name].present and name not in EXPERIMENT_FLAGS[experiment])

@@ -15,6 +15,7 @@ Each run prints the ratios measured in that run and writes DIR/results.jsonl.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import jax
@@ -388,12 +389,29 @@ def run(FLAGS):
     for p in protocols(FLAGS):  # validate every protocol before any work
         if p != "PLAINTEXT":
             mpc_config(FLAGS, p)
+    if FLAGS.mpc_bench in ("decode", "generate"):
+        validate_policies(FLAGS)
     out_dir = ensure_dir(FLAGS.output_dir or "results/mpc_cost")
     out_path = out_dir / "results.jsonl"
-    if out_path.exists():
-        out_path.unlink()
+    # Records accumulate in results.jsonl.partial; an earlier run's results.jsonl stays intact
+    # until this run has finished and replaces it.
+    partial = out_dir / "results.jsonl.partial"
+    partial.unlink(missing_ok=True)
     print(f"mpc_cost {FLAGS.mpc_bench}: backend={FLAGS.backend} protocols={protocols(FLAGS)} "
           f"model={FLAGS.model} num_layers={FLAGS.num_layers} -> {out_path}")
-    records = BENCHES[FLAGS.mpc_bench](FLAGS, out_path)
+    records = BENCHES[FLAGS.mpc_bench](FLAGS, partial)
     write_jsonl(out_dir / "config.jsonl", [{"flags": flag_values(FLAGS), "git_commit": git_commit()}])
+    if partial.exists():
+        os.replace(partial, out_path)
     print(f"{len(records)} records -> {out_path}")
+
+
+def validate_policies(FLAGS) -> None:
+    """Every --policies / --variants entry builds at the budget, before anything is costed."""
+    from experiments.accuracy import parse_budget
+    if FLAGS["budgets"].present and len(FLAGS.budgets) != 1:
+        raise ValueError(f"--experiment=mpc_cost costs one budget; --budgets={','.join(FLAGS.budgets)}")
+    budget = parse_budget(FLAGS.budgets[0])
+    for label, name, options in costed_policies(FLAGS):
+        if name not in (ORACLE, "full", "no_cache"):
+            make_policy(name, budget=budget, **(options or {}))

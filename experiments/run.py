@@ -55,7 +55,21 @@ def run_nodes():
         sys.exit(3)
 
 
+def check_flags() -> None:
+    """Every flag given is read by the experiment that runs (flags_def.EXPERIMENT_FLAGS)."""
+    nodes = FLAGS.backend == "spu_nodes" and FLAGS.experiment != "generate"
+    key = "nodes" if nodes else FLAGS.experiment
+    unused = flags_def.flags_not_used(key)
+    if unused:
+        what = ("--backend=spu_nodes (the node config's job decides the rest)" if nodes
+                else f"--experiment={FLAGS.experiment}")
+        given = ", ".join(f"--{name}" for name in unused)
+        raise ValueError(f"{given} {'is' if len(unused) == 1 else 'are'} not used by {what}; "
+                         "remove it (it would be ignored, yet recorded as if it applied)")
+
+
 def dispatch():
+    check_flags()
     if FLAGS.experiment == "generate":
         from experiments import generate
         return generate.run(FLAGS)

@@ -238,14 +238,29 @@ def longbench_jsonl(tokenizer, *, data_path: str, num_samples: int, max_length: 
     path = pathlib.Path(data_path or "")
     if not data_path or not path.is_file():
         raise FileNotFoundError(f"--data_path={data_path!r}: give a LongBench-format .jsonl file")
+    count = 0
     with open(path) as f:
-        for line_no, line in enumerate(f):
-            if line_no >= num_samples:
+        for line_no, line in enumerate(f, 1):
+            if count >= num_samples:
                 break
-            record = json.loads(line)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not a JSON object ({err.msg} at column "
+                                 f"{err.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{line_no}: a line must be a JSON object with context, "
+                                 f"input and answers, got {type(record).__name__}")
             for field in ("context", "input", "answers"):
                 if field not in record:
-                    raise ValueError(f"{path}:{line_no + 1} has no {field!r} field")
+                    raise ValueError(f"{path}:{line_no}: no {field!r} field")
+            for field in ("context", "input"):
+                if not isinstance(record[field], str):
+                    raise ValueError(f"{path}:{line_no}: field {field!r} must be a string, got "
+                                     f"{type(record[field]).__name__}")
+            count += 1
             user = f"{record['context']}\n\nQuestion: {record['input']}\nAnswer:"
             text = tokenizer.apply_chat_template([{"role": "user", "content": user}],
                                                  add_generation_prompt=True) if chat else user
@@ -255,6 +270,8 @@ def longbench_jsonl(tokenizer, *, data_path: str, num_samples: int, max_length: 
                 ids = ids[:half] + ids[-(max_length - half):]
             answers = record["answers"] if isinstance(record["answers"], list) else [record["answers"]]
             chosen = metric or LONGBENCH_METRICS.get(record.get("dataset", ""), "qa_f1")
-            yield Sample("longbench_jsonl", str(record.get("_id", line_no)), ids,
+            yield Sample("longbench_jsonl", str(record.get("_id", line_no - 1)), ids,
                          [str(a) for a in answers], chosen,
                          meta={"dataset": record.get("dataset", ""), "length": len(ids)})
+    if count == 0:
+        raise ValueError(f"{path}: no samples (the file has no JSON lines)")

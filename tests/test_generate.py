@@ -67,7 +67,8 @@ def test_cli_main_job_writes_results(tmp_path):
 
 
 def test_cli_rejects_unknown_model():
-    cmd = [sys.executable, "-m", "experiments.run", "--experiment=generate", "--model=llama-9000"]
+    cmd = [sys.executable, "-m", "experiments.run", "--experiment=generate", "--policies=full",
+           "--model=llama-9000"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "unknown model 'llama-9000'" in proc.stderr
@@ -121,3 +122,144 @@ def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
     assert len(outputs["all"]) == 2 * 3
     assert outputs["all"] == outputs["chunked"] == outputs["resumed"]
     assert len({o[3] for o in outputs["all"]}) > 1  # the policies do not all say the same thing
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--experiment=generate", "--task=passkey"], "--task is not used by --experiment=generate"),
+    (["--experiment=generate", "--policies=full", "--resume", "--num_samples=3"],
+     "--num_samples, --resume are not used by --experiment=generate"),
+    (["--experiment=accuracy", "--backend=xla"], "--backend is not used by --experiment=accuracy"),
+    (["--experiment=accuracy", "--prompt=hi"], "--prompt is not used by --experiment=accuracy"),
+    (["--experiment=mpc_cost", "--resume"], "--resume is not used by --experiment=mpc_cost"),
+    (["--experiment=accuracy", "--backend=spu_nodes", "--node_config=x.json", "--budgets=0.2"],
+     "--budgets is not used by --backend=spu_nodes"),
+    (["--experiment=generate", "--backend=spu_nodes", "--policies=full",
+      "--node_config=experiments/nodes/2pc_semi2k.json", "--protocol=ABY3"],
+     "--protocol=ABY3 conflicts with --node_config=experiments/nodes/2pc_semi2k.json, which "
+     "runs SEMI2K"),
+    (["--experiment=mpc_cost", "--policies=full,foo", "--model=llama-tiny"],
+     "unknown policy 'foo'"),
+])
+def test_cli_refuses_flags_it_would_ignore_or_that_conflict(argv, message, tmp_path):
+    cmd = [sys.executable, "-m", "experiments.run", f"--output_dir={tmp_path / 'out'}", *argv]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+def test_every_shipped_flagfile_uses_only_flags_its_experiment_reads():
+    import re
+    from experiments import flags_def
+    checked = 0
+    for path in sorted((REPO_ROOT / "experiments" / "flags").glob("*.flags")):
+        given = {}
+        for line in path.read_text().splitlines():
+            m = re.match(r"--([a-z_]+)(?:=(.*))?$", line.strip())
+            if m:
+                given[m.group(1)] = m.group(2)
+        if "party" in given:      # experiments.party's own flags
+            continue
+        experiment = given.get("experiment", "generate")
+        key = ("nodes" if given.get("backend") == "spu_nodes" and experiment != "generate"
+               else experiment)
+        known = flags_def.EXPERIMENT_FLAGS[key] | {f"no{n}" for n in flags_def.EXPERIMENT_FLAGS[key]}
+        assert set(given) <= known, (path.name, sorted(set(given) - known))
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "no samples"),
+    ('{"context": "a", "input": "b", "answers": ["c"]}\n{"context": "a", "input": \n',
+     ":2: not a JSON object"),
+    ('{"context": "a", "answers": ["c"]}\n', ":1: no 'input' field"),
+    ('[1, 2]\n', ":1: a line must be a JSON object"),
+])
+def test_longbench_input_errors_name_file_and_line(tmp_path, text, message):
+    from experiments.tasks import longbench_jsonl
+
+    class Tok:
+        def encode(self, text):
+            return [1] * len(text.split())
+    path = tmp_path / "data.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        list(longbench_jsonl(Tok(), data_path=str(path), num_samples=5, max_length=100,
+                             metric="contains", chat=False))
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_output_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
+    from experiments.common import ensure_dir
+    target = tmp_path / "results"
+    target.write_text("not a directory")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        ensure_dir(target)
+
+
+def test_resume_refuses_records_made_with_other_settings(tmp_path):
+    from experiments.accuracy import load_finished
+    from experiments.common import config_hash
+    then = {"seed": 0, "max_new_tokens": 24, "model": "smollm2-135m"}
+    records = [{"task": "qa", "sample_id": f"qa-{i}", "policy": "full", "budget": 1.0,
+                "config_hash": config_hash(then)} for i in range(3)]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "run_config.json").write_text(json.dumps(then))
+    assert load_finished(tmp_path, dict(then)) == records
+    with pytest.raises(ValueError) as err:
+        load_finished(tmp_path, {**then, "seed": 1, "max_new_tokens": 8})
+    assert "3 of 3 records" in str(err.value)
+    assert "--max_new_tokens (24 then, 8 now)" in str(err.value)
+    assert "--seed (0 then, 1 now)" in str(err.value)
+    # an interrupted run's partial file is what a resume continues from
+    (tmp_path / "samples.jsonl.partial").write_text(json.dumps(records[0]) + "\n")
+    assert load_finished(tmp_path, dict(then)) == records[:1]
+
+
+@pytest.mark.slow
+def test_an_interrupted_accuracy_run_leaves_the_previous_results_intact(tmp_path):
+    """A finished run, then a second run into the same folder killed after its first record:
+    results.jsonl / samples.jsonl / summary.csv are byte-for-byte the first run's."""
+    import os
+    import signal
+    import time
+    base = [sys.executable, "-m", "experiments.run", "--experiment=accuracy",
+            "--model=smollm2-135m", "--num_layers=2", "--task=passkey", "--lengths=200",
+            "--max_new_tokens=4", f"--output_dir={tmp_path}"]
+    proc = subprocess.run([*base, "--num_samples=1", "--policies=full"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before = {name: (tmp_path / name).read_bytes()
+              for name in ("results.jsonl", "samples.jsonl", "summary.csv")}
+    second = subprocess.Popen([*base, "--num_samples=6", "--policies=full,streaming_llm",
+                               "--budgets=0.5"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    partial = tmp_path / "samples.jsonl.partial"
+    deadline = time.time() + 500
+    while time.time() < deadline and second.poll() is None:
+        if partial.exists() and partial.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.2)
+    assert second.poll() is None, "the second run ended before it could be interrupted"
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+    assert partial.read_text().count("\n") >= 1
+    for name, content in before.items():
+        assert (tmp_path / name).read_bytes() == content, name
+
+
+def test_first_divergence_reports_where_and_by_how_much():
+    import types
+    from experiments.generate import NEAR_TIE_LOGITS, first_divergence
+    logits = [np.zeros(5), np.array([0.0, 0.0, 1.0, 1.0 - NEAR_TIE_LOGITS / 2, 0.0]),
+              np.array([0.0, 3.0, 0.0, 0.0, 0.0])]
+    plain = types.SimpleNamespace(tokens=[1, 2, 1], logits=logits)
+    tie = first_divergence([1, 3, 1], plain)
+    assert (tie["step"], tie["plaintext_token"], tie["secure_token"]) == (1, 2, 3)
+    assert tie["margin"] == pytest.approx(NEAR_TIE_LOGITS / 2) and tie["near_tie"]
+    wrong = first_divergence([1, 2, 4], plain)
+    assert wrong["step"] == 2 and wrong["margin"] == pytest.approx(3.0) and not wrong["near_tie"]
+    shorter = first_divergence([1, 2], plain)
+    assert shorter["step"] == 2 and not shorter["near_tie"]
