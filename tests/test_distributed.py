@@ -27,6 +27,7 @@ from mpcache_jax.distributed.compare import simulate
 from mpcache_jax.distributed.launch import (free_ports, prepare_config, start_parties,
                                             wait_parties)
 from mpcache_jax.distributed.party import warn_if_insecure
+from experiments.fault_cases import node_config as loopback_node_config
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NODES = REPO / "experiments" / "nodes"
@@ -37,22 +38,9 @@ TINY_JOB = {"model": "llama-tiny", "num_layers": 2, "policy": "mpcache", "budget
 
 
 def node_config(parties: int, protocol: str, **link) -> dict:
-    ids = [f"node:{i}" for i in range(parties)]
-    return {
-        "id": f"test.{parties}pc",
-        "nodes": {pid: f"127.0.0.1:{61400 + i}" for i, pid in enumerate(ids)},
-        "devices": {
-            "SPU": {"kind": "SPU", "config": {
-                "node_ids": ids,
-                "runtime_config": {"protocol": protocol, "field": "FM64"},
-                "link": {"peer_timeout_s": 10, "recv_timeout_s": 180, "connect_timeout_s": 60,
-                         "connect_retry_times": 60, "connect_retry_interval_ms": 500,
-                         "http_timeout_ms": 5000, **link}}},
-            "MODEL_OWNER": {"kind": "PYU", "config": {"node_id": "node:0"}},
-            "PROMPT_OWNER": {"kind": "PYU", "config": {"node_id": "node:1"}},
-        },
-        "job": dict(TINY_JOB),
-    }
+    """The loopback config of experiments/fault_cases.py with this file's job (logits revealed
+    for the comparisons)."""
+    return loopback_node_config(parties, protocol, job=TINY_JOB, **link)
 
 
 def write(tmp_path: pathlib.Path, raw: dict, name: str = "nodes.json") -> pathlib.Path:

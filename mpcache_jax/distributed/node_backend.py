@@ -21,7 +21,8 @@ import numpy as np
 
 from mpcache_jax.distributed import wire
 from mpcache_jax.distributed.costs import run_cost_from_json, run_cost_to_json
-from mpcache_jax.mpc.backends import CLIENT, SERVER, Program, Shared, compile_spu
+from mpcache_jax.mpc.backends import (CLIENT, SERVER, Program, Shared, compile_spu,
+                                      convert_visibility)
 from mpcache_jax.mpc.costs import combine_parties, read_last_profile
 from mpcache_jax.programs import PUBLIC, SECRET, broadcast_visibility
 
@@ -140,19 +141,11 @@ class NodeBackend:
     def to_visibility(self, tree, visibility):
         """Re-share public leaves that a program takes as secret (the client shares the
         public value); a secret leaf asked to become public is an error (it would leak)."""
-        flags = broadcast_visibility(visibility, tree)
-        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Shared))
-        out = []
-        for leaf, want in zip(leaves, flags):
-            if leaf.visibility == want:
-                out.append(leaf)
-            elif want == PUBLIC:
-                raise ValueError("refusing to make a secret value public")
-            else:
-                mine = self.runtime.get_var(leaf.name)
-                value = np.asarray(self.io.reconstruct([mine] * self.world))
-                out.append(self.share(value, SECRET, owner=CLIENT))
-        return jax.tree_util.tree_unflatten(treedef, out)
+        def make_secret(leaf):
+            mine = self.runtime.get_var(leaf.name)
+            value = np.asarray(self.io.reconstruct([mine] * self.world))
+            return self.share(value, SECRET, owner=CLIENT)
+        return convert_visibility(tree, visibility, make_secret)
 
     def reveal(self, tree, to: int | None = None):
         """Values of the Shared leaves for `to` (its owner role); None on every other party.

@@ -229,17 +229,8 @@ class SpuSimBackend:
     def to_visibility(self, tree, visibility):
         """Re-encode public leaves that a program takes as secret (public data may always be
         secret-shared). A secret leaf asked to become public is an error (it would leak)."""
-        flags = broadcast_visibility(visibility, tree)
-        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Shared))
-        out = []
-        for leaf, want in zip(leaves, flags):
-            if leaf.visibility == want:
-                out.append(leaf)
-            elif want == PUBLIC:
-                raise ValueError("refusing to make a secret value public")
-            else:
-                out.append(self.share(np.asarray(self._reconstruct(leaf)), SECRET))
-        return jax.tree_util.tree_unflatten(treedef, out)
+        return convert_visibility(tree, visibility, lambda leaf: self.share(
+            np.asarray(self._reconstruct(leaf)), SECRET))
 
     def _reconstruct(self, handle: Shared):
         return self.io.reconstruct(self.parties.call(lambda rank, rt: rt.get_var(handle.name)))
@@ -289,6 +280,23 @@ class SpuSimBackend:
 
     def _read_cost(self, offset: int) -> RunCost:
         return read_run_profiles(self._log_path, offset, self.world, timeout_s=10.0)
+
+
+def convert_visibility(tree, visibility, make_secret: Callable[["Shared"], "Shared"]):
+    """`tree` of Shared handles with each leaf at the visibility a program takes: a public leaf
+    that must be secret becomes `make_secret(leaf)` (a fresh sharing of the public value); a
+    secret leaf asked to become public is refused (it would leak)."""
+    flags = broadcast_visibility(visibility, tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Shared))
+    out = []
+    for leaf, want in zip(leaves, flags):
+        if leaf.visibility == want:
+            out.append(leaf)
+        elif want == PUBLIC:
+            raise ValueError("refusing to make a secret value public")
+        else:
+            out.append(make_secret(leaf))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 class RevealingProgram(ValueError):
