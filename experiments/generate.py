@@ -44,6 +44,9 @@ def one_policy(FLAGS):
                          "mpcache, or full for no eviction)")
     name = FLAGS.policies[0]
     if name == "full":
+        if FLAGS["budgets"].present:
+            raise ValueError("--policies=full keeps the whole cache: drop --budgets (it would "
+                             "be ignored)")
         return name, None, make_policy("full")
     if FLAGS["budgets"].present and len(FLAGS.budgets) != 1:
         raise ValueError(f"--experiment=generate runs one budget; --budgets={','.join(FLAGS.budgets)}")

@@ -323,6 +323,50 @@ def bench_topk(FLAGS, out_path):
     return records
 
 
+# ----- one RMSNorm scale ----------------------------------------------------------------------------
+def _two_rsqrt_scale(x, eps):
+    """The RMSNorm scale as it was before one-rsqrt (both branches inverted, then selected):
+    kept here only as the benchmark's reference."""
+    from models.transformer import NORM_LARGE_MEAN_SQUARE, NORM_SHIFT
+    shift = 2.0 ** -NORM_SHIFT
+    mean_square = jnp.mean(x * x, axis=-1, keepdims=True)
+    shifted = jnp.mean((x * shift) * x, axis=-1, keepdims=True)
+    large = shifted > shift * NORM_LARGE_MEAN_SQUARE
+    return jnp.where(large, jax.lax.rsqrt(shifted + shift * eps) * shift ** 0.5,
+                     jax.lax.rsqrt(mean_square + eps))
+
+
+def bench_norm(FLAGS, out_path):
+    """Messages / bytes of one RMSNorm scale on a hidden-size row (with an attention-sink
+    entry, so the large-row branch is taken): shipped one-rsqrt form vs two rsqrts."""
+    from models.transformer import rms_scale
+    cfg_model = registry.get_config(FLAGS.model)
+    x = np.random.RandomState(FLAGS.seed).randn(1, cfg_model.hidden_size).astype(np.float32)
+    x[0, 5] = 2.0e4
+    exact = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg_model.norm_eps)
+    records = []
+    for protocol in protocols(FLAGS):
+        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
+        backend = mpc.make_backend(FLAGS.backend, cfg)
+        row = {}
+        for name, fn in (("one_rsqrt", rms_scale), ("two_rsqrt", _two_rsqrt_scale)):
+            prog = backend.compile(lambda v, fn=fn: fn(v, cfg_model.norm_eps), (x,), (mpc.SECRET,))
+            out, cost, wall = backend.run(prog, backend.share(x, mpc.SECRET))
+            value = float(np.asarray(backend.reveal(out)).ravel()[0])
+            rec = _record(FLAGS, "norm", protocol, cfg, FLAGS.model, 0, name,
+                          cfg_model.hidden_size, cost, wall,
+                          {"value": value, "rel_error": abs(value - exact) / exact})
+            records.append(rec)
+            row[name] = rec
+            write_jsonl(out_path, [rec], append=True)
+            _print_row(rec)
+        a, b = row["two_rsqrt"], row["one_rsqrt"]
+        print(f"  {protocol}: two/one rsqrt messages {a['messages'] / max(b['messages'], 1):.2f}x,"
+              f" comm {a['comm_bytes'] / max(b['comm_bytes'], 1):.2f}x; relative error "
+              f"{b['rel_error']:.1e} (one) / {a['rel_error']:.1e} (two)")
+    return records
+
+
 # ----- secure generation (real model) ----------------------------------------------------------------
 def bench_generate(FLAGS, out_path):
     """Greedy secure generation (prefill + static eviction + decode steps under MPC) vs the
@@ -380,7 +424,7 @@ def bench_generate(FLAGS, out_path):
 
 
 BENCHES = {"decode": bench_decode, "gather": bench_gather, "topk": bench_topk,
-           "generate": bench_generate}
+           "norm": bench_norm, "generate": bench_generate}
 
 
 def run(FLAGS):

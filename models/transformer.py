@@ -43,14 +43,16 @@ NORM_LARGE_MEAN_SQUARE = 2.0 ** 15
 
 def rms_scale(x: jax.Array, eps: float) -> jax.Array:
     """x: [..., D] -> 1 / sqrt(mean(x^2) + eps) [..., 1], in a form that stays in range in
-    fixed point: both branches are computed and the row's magnitude selects one (a secret
-    comparison, no data-dependent control flow)."""
+    fixed point: the row's magnitude (a secret comparison, no data-dependent control flow)
+    selects the mean square of x or of x * 2^-NORM_SHIFT, and one rsqrt of the selected value
+    is rescaled. Selecting before the rsqrt (not after two) halves the norm's rsqrt rounds
+    under MPC: rsqrt is an iterative protocol, a select is one multiplication."""
     shift = 2.0 ** -NORM_SHIFT
     mean_square = jnp.mean(x * x, axis=-1, keepdims=True)                  # small rows only
     shifted_mean_square = jnp.mean((x * shift) * x, axis=-1, keepdims=True)  # never overflows
     large = shifted_mean_square > shift * NORM_LARGE_MEAN_SQUARE
-    return jnp.where(large, jax.lax.rsqrt(shifted_mean_square + shift * eps) * shift ** 0.5,
-                     jax.lax.rsqrt(mean_square + eps))
+    scale = jax.lax.rsqrt(jnp.where(large, shifted_mean_square + shift * eps, mean_square + eps))
+    return jnp.where(large, scale * shift ** 0.5, scale)
 
 
 class RMSNorm(nn.Module):

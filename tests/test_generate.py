@@ -139,6 +139,8 @@ def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
      "runs SEMI2K"),
     (["--experiment=mpc_cost", "--policies=full,foo", "--model=llama-tiny"],
      "unknown policy 'foo'"),
+    (["--experiment=generate", "--policies=full", "--budgets=0.1"],
+     "--policies=full keeps the whole cache: drop --budgets"),
 ])
 def test_cli_refuses_flags_it_would_ignore_or_that_conflict(argv, message, tmp_path):
     cmd = [sys.executable, "-m", "experiments.run", f"--output_dir={tmp_path / 'out'}", *argv]

@@ -59,3 +59,17 @@ def test_cli_rejects_bad_runtime_configs(flag, message, tmp_path):
     proc = run_cli("--mpc_bench=topk", flag, f"--output_dir={tmp_path}", timeout=300)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_one_rsqrt_norm_needs_fewer_rounds_for_the_same_value(tmp_path):
+    """--mpc_bench=norm: the shipped RMSNorm scale (select, then one rsqrt) against the two-rsqrt
+    form, on a row with an attention-sink entry (the large-row branch)."""
+    proc = run_cli("--mpc_bench=norm", "--protocol=ABY3", "--model=llama-tiny",
+                   f"--output_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = {r["policy"]: r for r in map(json.loads,
+                                           (tmp_path / "results.jsonl").read_text().splitlines())}
+    one, two = records["one_rsqrt"], records["two_rsqrt"]
+    assert one["messages"] < 0.75 * two["messages"]
+    assert one["comm_bytes"] <= 1.01 * two["comm_bytes"]
+    assert one["rel_error"] < 1e-2 and two["rel_error"] < 1e-2
