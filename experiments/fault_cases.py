@@ -711,9 +711,111 @@ def _launcher_cases() -> list:
     ]
 
 
+@dataclasses.dataclass
+class CliCase:
+    """`python -m experiments.run` with a bad flag or input: exit 2, one `error:` line saying
+    `must_say`, no traceback, and the folder's previous results untouched."""
+    name: str
+    did: str
+    args: tuple[str, ...]
+    must_say: tuple[str, ...]
+    prepare: Callable[[pathlib.Path], None] | None = None
+    expected: str = "exit 2 before any work, one line naming the flag, file or field"
+
+    def run(self, ctx: Context) -> Observed:
+        folder = ctx.case_dir(self.name)
+        out = folder / "out"
+        out.mkdir()
+        previous = out / "results.jsonl"
+        previous.write_text('{"previous": true}\n')
+        if self.prepare is not None:
+            self.prepare(folder)
+        args = [a.replace("{dir}", str(folder)) for a in self.args]
+        if not any(a.startswith("--output_dir") for a in args):
+            args.append(f"--output_dir={out}")
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=REPO,
+                                capture_output=True, text=True, timeout=600)
+        took = time.perf_counter() - start
+        errors = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+        line = errors[-1] if errors else (result.stderr.strip().splitlines() or [""])[-1]
+        intact = previous.read_text() == '{"previous": true}\n'
+        ok = (result.returncode == 2 and all(m in line for m in self.must_say) and intact
+              and "Traceback" not in result.stderr)
+        return Observed(str(result.returncode), line, took, ok,
+                        "" if intact else "previous results.jsonl changed", "whole command")
+
+
+def _write(name: str, text: str) -> Callable[[pathlib.Path], None]:
+    return lambda folder: (folder / name).write_text(text)
+
+
+def _cli_cases() -> list:
+    acc = ("--experiment=accuracy", "--model=smollm2-135m", "--num_layers=1", "--lengths=200",
+           "--num_samples=1", "--policies=full", "--max_new_tokens=2")
+    lb = (*acc, "--task=longbench_jsonl", "--metric=contains")
+    return [
+        CliCase("cli: generate ignores --task", "--experiment=generate --policies=full "
+                "--task=passkey (was ignored, yet recorded)",
+                ("--experiment=generate", "--policies=full", "--task=passkey"),
+                ("--task is not used by --experiment=generate",)),
+        CliCase("cli: generate with --policies=foo", "--experiment=generate --policies=foo "
+                "(was ignored: plaintext full ran)", ("--experiment=generate", "--policies=foo"),
+                ("unknown policy 'foo'",)),
+        CliCase("cli: generate without a policy", "--experiment=generate with no --policies",
+                ("--experiment=generate",), ("runs one policy: give --policies",)),
+        CliCase("cli: accuracy ignores --backend", "--experiment=accuracy --backend=xla",
+                (*acc, "--backend=xla"), ("--backend is not used by --experiment=accuracy",)),
+        CliCase("cli: protocol vs node config", "--backend=spu_nodes with the 2-party SEMI2K "
+                "config and --protocol=ABY3 (ran SEMI2K)",
+                ("--experiment=generate", "--backend=spu_nodes", "--policies=full",
+                 "--node_config=experiments/nodes/2pc_semi2k.json", "--protocol=ABY3"),
+                ("--protocol=ABY3 conflicts with", "which runs SEMI2K")),
+        CliCase("cli: mpc_cost with an unknown policy", "--policies=full,foo (failed after "
+                "costing full, leaving partial rows)",
+                ("--experiment=mpc_cost", "--model=llama-tiny", "--policies=full,foo"),
+                ("unknown policy 'foo'",)),
+        CliCase("cli: --resume with another --seed", "a finished record made with --seed=0, "
+                "then --resume --seed=1 (relabelled the old outputs)",
+                (*acc, "--task=passkey", "--resume", "--seed=1", "--output_dir={dir}/old"),
+                ("--resume", "--seed (0 then, 1 now)"),
+                prepare=_resume_folder),
+        CliCase("cli: empty LongBench file", "--data_path to an empty file (ZeroDivisionError "
+                "in plotting)", (*lb, "--data_path={dir}/empty.jsonl"), ("empty.jsonl", "no samples"),
+                prepare=_write("empty.jsonl", "")),
+        CliCase("cli: malformed LongBench line", "line 2 of the JSONL is cut short (reported "
+                "without the file and with the wrong line)",
+                (*lb, "--num_samples=3", "--data_path={dir}/bad.jsonl"),
+                ("bad.jsonl:2:", "not a JSON object"),
+                prepare=_write("bad.jsonl", '{"context": "a", "input": "b", "answers": ["c"]}\n'
+                               '{"context": "a", "input": \n')),
+        CliCase("cli: --output_dir is a file", "--output_dir pointing at a file (raised after "
+                "the whole run)", (*acc, "--task=passkey", "--output_dir={dir}/afile"),
+                ("is a file, not a directory",), prepare=_write("afile", "x")),
+        CliCase("cli: unknown model", "--model=llama-9000",
+                ("--experiment=generate", "--policies=full", "--model=llama-9000"),
+                ("unknown model 'llama-9000'",)),
+    ]
+
+
+def _resume_folder(folder: pathlib.Path) -> None:
+    """An output folder holding one record made with --seed=0 (and its run_config.json)."""
+    import hashlib
+    old = folder / "old"
+    old.mkdir()
+    settings = {"seed": 0}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    (old / "samples.jsonl").write_text(json.dumps(
+        {"task": "passkey", "sample_id": "passkey-0", "policy": "full", "budget": 1.0,
+         "config_hash": digest}) + "\n")
+    (old / "run_config.json").write_text(json.dumps(settings))
+    (old / "results.jsonl").write_text('{"previous": true}\n')
+
+
 def all_cases() -> list:
     """Every case, fast ones first."""
-    return _wire_cases() + _config_cases() + _party_cases() + _launcher_cases()
+    return (_wire_cases() + _config_cases() + _cli_cases() + _party_cases()
+            + _launcher_cases())
 
 
 # ----- running and reporting ---------------------------------------------------------------------
