@@ -203,8 +203,8 @@ def load_finished(out, settings: dict):
         old = json.loads((out / "run_config.json").read_text()) \
             if (out / "run_config.json").exists() else {}
         differ = sorted(k for k in settings if k in old and old[k] != settings[k])
-        why = (f"flags that differ: {', '.join(f'--{k} ({old[k]!r} then, {settings[k]!r} now)' for k in differ)}"
-               if differ else "they carry no or another settings hash")
+        changes = ", ".join(f"--{k} ({old[k]!r} then, {settings[k]!r} now)" for k in differ)
+        why = f"flags that differ: {changes}" if differ else "they carry no or another settings hash"
         raise ValueError(f"--resume: {len(foreign)} of {len(records)} records in {path} were made "
                          f"with other settings ({why}); rerun with those settings, or into a new "
                          "--output_dir")

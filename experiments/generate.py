@@ -23,8 +23,6 @@ from tqdm import tqdm
 
 from experiments import common
 
-SECURE_BACKENDS = ("spu_sim", "spu_nodes")
-
 
 def read_prompt(FLAGS) -> str:
     if FLAGS.prompt_file:
@@ -144,8 +142,8 @@ def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
     divergence = None if same else first_divergence(result.tokens, plain)
     records = generation_records(
         result, backend="spu_sim", policy=name, budget=budget, model=FLAGS.model,
-        num_layers=FLAGS.num_layers, protocol=cfg.protocol, parties=cfg.parties, prompt_len=T, text=tok.decode(result.tokens),
-        same_as_plaintext=same, plaintext_tokens=plain.tokens, divergence=divergence,
+        num_layers=FLAGS.num_layers, protocol=cfg.protocol, parties=cfg.parties, prompt_len=T,
+        text=tok.decode(result.tokens), same_as_plaintext=same, plaintext_tokens=plain.tokens, divergence=divergence,
         total_s=round(total_s, 2), git_commit=common.git_commit())
     summary = records[-1]
     print(f"\nanswer: {summary['text']}")
@@ -155,7 +153,9 @@ def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
         print(f"  from generated token {divergence['step']} on: the plaintext run's choice "
               f"{tok.decode([divergence['plaintext_token']])!r} led the secure choice "
               f"{tok.decode([divergence['secure_token']])!r} by {divergence['margin']:.3f} "
-              f"(plaintext logits, same context){' - a near tie that fixed-point arithmetic can flip' if divergence['near_tie'] else ''}")
+              f"(plaintext logits, same context)"
+              + (" - a near tie that fixed-point arithmetic can flip"
+                 if divergence["near_tie"] else ""))
     prefill = records[0]
     print(f"prefill ({T} tokens): {prefill['comm_bytes'] / 1e6:.1f} MB, {prefill['messages']} "
           f"messages, {prefill['wall_s']:.1f} s")
@@ -200,6 +200,10 @@ def run_nodes(FLAGS, name, budget) -> None:
     from mpcache_jax.distributed import run_loopback
     if not FLAGS.node_config:
         raise ValueError("--backend=spu_nodes needs --node_config=FILE (see experiments/nodes/*.json)")
+    for flag in ("activation_impl", "temperature", "top_p", "system_prompt"):
+        if FLAGS[flag].present:
+            raise ValueError(f"--{flag} is not used by --backend=spu_nodes (the node config's "
+                             "job decides the program); remove it")
     if FLAGS["protocol"].present:
         from mpcache_jax.distributed.config import load_node_config
         configured = load_node_config(FLAGS.node_config).protocol
