@@ -83,14 +83,18 @@ def _pairwise_rank(s: jax.Array) -> jax.Array:
     j = (i + t) % N
     wrap = j < i                                   # then the pair is (j, i), j the lower index
     keep = ~((2 * t == N) & (i >= N // 2))
-    hi, lo = np.where(wrap, i, j), np.where(wrap, j, i)
+    # Unsigned index constants: jnp indexing then skips its negative-index normalisation, a
+    # select over [N/2, N] constants that XLA would constant-fold once per call (minutes and
+    # gigabytes of compilation for token-level ranks in 30 layers).
+    hi = np.where(wrap, i, j).astype(np.uint32)
+    lo = np.where(wrap, j, i).astype(np.uint32)
     later_wins = (s[..., hi] > s[..., lo]).astype(jnp.int32) * keep.astype(np.int32)
     # The lower index gains later_wins, the higher one keep - later_wins (s_lo >= s_hi).
     # Column i of row t holds i's own share ("stay") and its partner's ("move").
     lose = keep.astype(np.int32) - later_wins
     stay = jnp.where(wrap, lose, later_wins)
     move = jnp.where(wrap, later_wins, lose)       # belongs to entry (i + t) mod N
-    source = (np.arange(N)[None, :] - t) % N       # move[t, n - t] belongs to n
+    source = ((np.arange(N)[None, :] - t) % N).astype(np.uint32)  # move[t, n-t] belongs to n
     moved = jnp.take_along_axis(move, np.broadcast_to(source, move.shape), axis=-1)
     return jnp.sum(stay + moved, axis=-2)
 
