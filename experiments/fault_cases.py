@@ -800,11 +800,11 @@ def _cli_cases() -> list:
 
 def _resume_folder(folder: pathlib.Path) -> None:
     """An output folder holding one record made with --seed=0 (and its run_config.json)."""
-    import hashlib
+    from experiments.common import config_hash
     old = folder / "old"
     old.mkdir()
     settings = {"seed": 0}
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    digest = config_hash(settings)
     (old / "samples.jsonl").write_text(json.dumps(
         {"task": "passkey", "sample_id": "passkey-0", "policy": "full", "budget": 1.0,
          "config_hash": digest}) + "\n")

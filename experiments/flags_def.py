@@ -117,6 +117,10 @@ EXPERIMENT_FLAGS = {
     "nodes": frozenset({"experiment", "backend", "node_config", "policies", "seq_lens", "model",
                         "num_layers", "output_dir", "verbose"}),
 }
+# --experiment=generate --backend=spu_nodes: the node config's job fixes the program (numerics,
+# greedy decoding, no system message), so those flags would be ignored.
+EXPERIMENT_FLAGS["generate_nodes"] = EXPERIMENT_FLAGS["generate"] - {
+    "activation_impl", "temperature", "top_p", "system_prompt", "weights_path"}
 
 
 def flags_not_used(experiment: str) -> list[str]:

@@ -200,10 +200,6 @@ def run_nodes(FLAGS, name, budget) -> None:
     from mpcache_jax.distributed import run_loopback
     if not FLAGS.node_config:
         raise ValueError("--backend=spu_nodes needs --node_config=FILE (see experiments/nodes/*.json)")
-    for flag in ("activation_impl", "temperature", "top_p", "system_prompt"):
-        if FLAGS[flag].present:
-            raise ValueError(f"--{flag} is not used by --backend=spu_nodes (the node config's "
-                             "job decides the program); remove it")
     if FLAGS["protocol"].present:
         from mpcache_jax.distributed.config import load_node_config
         configured = load_node_config(FLAGS.node_config).protocol

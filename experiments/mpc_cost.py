@@ -66,7 +66,8 @@ def topk_method_for(FLAGS, protocol: str, candidates: int) -> str:
 def build_policy(FLAGS, name: str, protocol: str, prompt_len: int, options: dict | None = None):
     """The registered policy (with `options`, e.g. a --variants entry) with the benchmark's
     budget and per-protocol top-k method."""
-    budget = float(FLAGS.budgets[0]) if "." in FLAGS.budgets[0] else int(FLAGS.budgets[0])
+    from experiments.accuracy import parse_budget
+    budget = parse_budget(FLAGS.budgets[0])
     if name == ORACLE:
         return make_policy("streaming_llm", budget=budget, softmax=FLAGS.softmax), budget
     policy = make_policy(name, budget=budget, **(options or {}))

@@ -57,8 +57,9 @@ def run_nodes():
 
 def check_flags() -> None:
     """Every flag given is read by the experiment that runs (flags_def.EXPERIMENT_FLAGS)."""
-    nodes = FLAGS.backend == "spu_nodes" and FLAGS.experiment != "generate"
-    key = "nodes" if nodes else FLAGS.experiment
+    nodes = FLAGS.backend == "spu_nodes"
+    key = (("generate_nodes" if FLAGS.experiment == "generate" else "nodes") if nodes
+           else FLAGS.experiment)
     unused = flags_def.flags_not_used(key)
     if unused:
         what = ("--backend=spu_nodes (the node config's job decides the rest)" if nodes

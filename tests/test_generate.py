@@ -139,6 +139,9 @@ def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
      "runs SEMI2K"),
     (["--experiment=mpc_cost", "--policies=full,foo", "--model=llama-tiny"],
      "unknown policy 'foo'"),
+    (["--experiment=generate", "--backend=spu_nodes", "--policies=full",
+      "--node_config=experiments/nodes/3pc_aby3.json", "--activation_impl=newton"],
+     "--activation_impl is not used by --backend=spu_nodes"),
     (["--experiment=generate", "--policies=full", "--budgets=0.1"],
      "--policies=full keeps the whole cache: drop --budgets"),
 ])
