@@ -15,6 +15,7 @@ ratio of the prompt, or a token count). Records: DIR/results.jsonl (one per step
 from __future__ import annotations
 
 import pathlib
+import resource
 import tempfile
 import time
 
@@ -164,7 +165,10 @@ def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
               f"{summary['decode_messages_per_token']:.0f} messages, "
               f"{summary['decode_wall_s_per_token']:.2f} s (simulated parties on this machine; "
               f"modelled LAN time {summary['decode_lan_total_s_per_token']:.2f} s)")
-    print(f"total {total_s:.0f} s including {result.compile_s:.0f} s compilation")
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB on Linux
+    summary["peak_rss_gb"] = round(peak_gb, 2)
+    print(f"total {total_s:.0f} s including {result.compile_s:.0f} s compilation; peak memory "
+          f"{peak_gb:.1f} GiB (this process: the simulated parties, the plaintext check)")
     if FLAGS.output_dir:
         out = common.ensure_dir(FLAGS.output_dir)
         common.write_jsonl(out / "results.jsonl", records)

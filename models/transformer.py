@@ -283,7 +283,7 @@ class DecoderLM(nn.Module):
         x = self._embed(tokens, positions)
         for block in self.layers:
             q, k, v = block.qkv(x, positions)
-            out, _ = attention.causal_attention(q, k, v)
+            out = attention.causal_attention(q, k, v, attention.PREFILL_BLOCK)
             x = block.finish(x, out)
         return x
 
@@ -309,7 +309,7 @@ class DecoderLM(nn.Module):
         new_cache, queries = [], []
         for block, layer in zip(self.layers, cache):
             q, k, v = block.qkv(x, positions)
-            out, _ = attention.causal_attention(q, k, v)
+            out = attention.causal_attention(q, k, v, attention.PREFILL_BLOCK)
             x = block.finish(x, out)
             new_cache.append(fill_prefix(layer, k, v, length))
             queries.append(q)

@@ -79,14 +79,31 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
     return out.reshape(q.shape)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+# Query rows per block of the models' causal prefill attention (see causal_attention).
+PREFILL_BLOCK = 256
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     block: int | None = None) -> jax.Array:
     """Full causal self-attention over a prompt.
 
-    q: [H, T, d]; k, v: [H_kv, T, d]. Returns (out [H, T, d], probs [H_kv, G, T, T]).
+    q: [H, T, d]; k, v: [H_kv, T, d] -> out [H, T, d].
+
+    Queries go in blocks of `block` rows (None: one block), each attending only to the keys
+    up to its last row: static slices, so the same function compiles for SPU, where the masked
+    upper triangle would otherwise cost as much as the rest (scores, row max, exp). With n
+    blocks the score work is (n + 1) / 2n of T x T (a 1k-token prompt in blocks of 256: 62%);
+    the blocks' softmaxes are separate calls, so the messages of that part grow n-fold.
+    The result equals one block's up to float summation order (masked entries are exact zeros).
     """
-    T = q.shape[1]
-    scores = grouped_scores(q, k)
-    causal = jnp.tril(jnp.ones((T, T), dtype=q.dtype))
-    probs = masked_softmax(scores, causal)
-    out = jnp.einsum("kgts,ksd->kgtd", probs, v)
-    return out.reshape(q.shape), probs
+    H, T, d = q.shape
+    block = T if block is None else min(block, T)
+    outs = []
+    for start in range(0, T, block):
+        stop = min(start + block, T)
+        scores = grouped_scores(q[:, start:stop], k[:, :stop])          # [H_kv, G, c, stop]
+        rows = jnp.arange(start, stop)[:, None]
+        causal = (jnp.arange(stop)[None, :] <= rows).astype(q.dtype)
+        probs = masked_softmax(scores, causal)
+        outs.append(jnp.einsum("kgts,ksd->kgtd", probs, v[:, :stop]).reshape(H, stop - start, d))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)

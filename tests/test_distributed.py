@@ -110,15 +110,25 @@ def _wait_for(path: pathlib.Path, text: str, timeout: float) -> None:
     raise AssertionError(f"{text!r} never appeared in {path}")
 
 
+# When the victim is hit: once its link is up (before weights are shared), or between decode
+# steps (the prompt owner node:1 has received a decode step's token and the cache is resident
+# as shares in every party's runtime; the job generates 4 tokens so more steps follow).
+FAULT_MOMENTS = {"at link-up": ("party_node_2.log", "link up"),
+                 "between decode steps": ("party_node_1.log", "(decode,")}
+
+
+@pytest.mark.parametrize("moment", list(FAULT_MOMENTS))
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_dead_or_hung_party_makes_the_others_fail_naming_it(tmp_path, fault):
+def test_dead_or_hung_party_makes_the_others_fail_naming_it(tmp_path, fault, moment):
     peer_timeout = 3
     raw = node_config(3, "ABY3", peer_timeout_s=peer_timeout)
+    raw["job"]["max_new_tokens"] = 4
     config, path = prepare_config(write(tmp_path, raw), tmp_path / "out", use_free_ports=True)
     procs = start_parties(config, path, tmp_path / "out")
     victim = procs["node:2"]
+    log_name, marker = FAULT_MOMENTS[moment]
     try:
-        _wait_for(tmp_path / "out" / "party_node_2.log", "link up", timeout=180)
+        _wait_for(tmp_path / "out" / log_name, marker, timeout=240)
         os.killpg(victim.pid, fault)  # the party: its supervisor and worker
         faulted = time.monotonic()
         others = [procs["node:0"], procs["node:1"]]
@@ -131,6 +141,8 @@ def test_dead_or_hung_party_makes_the_others_fail_naming_it(tmp_path, fault):
             error = [l for l in text.splitlines() if "] error: " in l][-1]
             assert "party node:2 " in error, error
         assert elapsed < peer_timeout + 15
+        assert not list((tmp_path / "out").glob("results.jsonl*"))
+        assert not (tmp_path / "out" / "outputs.npz").exists()
     finally:
         for p in procs.values():
             try:

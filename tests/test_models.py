@@ -54,8 +54,20 @@ def _max_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 
 
+@pytest.fixture(params=[None, 4], ids=["prefill_block_default", "prefill_block_4"])
+def prefill_block(request, monkeypatch):
+    """Prefill and forward attention in query blocks of 4 rows (attention.causal_attention):
+    several blocks at these lengths, checked against decode steps, which never use blocks."""
+    from mpcache_jax import attention
+    if request.param is not None:
+        monkeypatch.setattr(attention, "PREFILL_BLOCK", request.param)
+    jax.clear_caches()   # the block size is read at trace time
+    yield request.param
+    jax.clear_caches()
+
+
 # ----- cache consistency ------------------------------------------------------------------
-def test_cached_decode_matches_uncached_forward(tiny):
+def test_cached_decode_matches_uncached_forward(tiny, prefill_block):
     model, params = tiny
     tokens = _tokens(PROMPT_LEN + DECODE_STEPS, model.cfg.vocab_size)
     ref = np.asarray(model.forward(params, tokens))

@@ -275,3 +275,35 @@ def test_rmsnorm_of_an_attention_sink_row_stays_in_fixed_point_range():
     # The textbook formula collapses the sink row under the same runtime config.
     naive = _spu_apply(lambda x: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5), x)
     assert abs(naive[0, 507] - 24.0) > 1.0
+
+
+def test_blocked_causal_attention_equals_one_block_and_costs_less_under_spu():
+    from mpcache_jax import attention
+    rng = np.random.default_rng(0)
+    H, Hkv, T, d = 4, 2, 11, 8        # GQA, and T not a multiple of the block
+    q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((H, T, d), (Hkv, T, d), (Hkv, T, d)))
+    # Reference: softmax over each row's causal prefix, written out directly.
+    ref = np.zeros((H, T, d), np.float32)
+    for h in range(H):
+        kv = h // (H // Hkv)
+        for t in range(T):
+            s = q[h, t] @ k[kv, :t + 1].T / np.sqrt(d)
+            p = np.exp(s - s.max())
+            ref[h, t] = (p / p.sum()) @ v[kv, :t + 1]
+    one = np.asarray(attention.causal_attention(q, k, v, block=None))
+    blocked = np.asarray(attention.causal_attention(q, k, v, block=4))
+    np.testing.assert_allclose(one, ref, atol=1e-5)
+    np.testing.assert_allclose(blocked, ref, atol=1e-5)
+
+    backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"))
+    costs = {}
+    for block in (None, 4):
+        fn = lambda q, k, v, block=block: attention.causal_attention(q, k, v, block=block)
+        program = backend.compile(fn, (q, k, v), (mpc.SECRET,) * 3)
+        out, cost, _ = backend.run(program, *(backend.share(a, mpc.SECRET) for a in (q, k, v)))
+        np.testing.assert_allclose(np.asarray(backend.reveal(out)), ref, atol=2e-2)
+        costs[block] = cost
+    # Blocks of 4 over 11 rows score 4*4 + 4*8 + 3*11 = 81 of 121 entries: the exp's bytes
+    # (per score entry) drop by that share.
+    exp_bytes = {b: c.ops["HLO"]["pphlo.exponential"].send_bytes for b, c in costs.items()}
+    assert exp_bytes[4] == pytest.approx(exp_bytes[None] * 81 / 121, rel=0.02)
