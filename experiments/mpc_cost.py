@@ -37,6 +37,7 @@ from models.model import Model
 # but O(N^2) local work. Counting the simulated compute, the rank is the faster one up to
 # RANK_MAX_CANDIDATES candidates per head (mpc_topk.flags, 2026-11-22), lax beyond.
 RANK_MAX_CANDIDATES = {"ABY3": 64, "SEMI2K": 128, "CHEETAH": 64}
+RANK_ROWS_MEASURED = 32
 ORACLE = "oracle"
 NEW_SLOTS = 8  # room for generated tokens in every policy's cache
 
@@ -57,13 +58,17 @@ def protocols(FLAGS) -> list[str]:
     return ["ABY3"]
 
 
-def topk_method_for(FLAGS, protocol: str, candidates: int) -> str:
+def topk_method_for(FLAGS, protocol: str, rows: int, candidates: int) -> str:
+    """Pairwise rank while its O(rows x candidates^2) local work stays within what was measured
+    to beat lax.top_k (RANK_MAX_CANDIDATES candidates x RANK_ROWS_MEASURED rows), else lax."""
     if FLAGS.topk_method != "auto":
         return FLAGS.topk_method
-    return "rank" if candidates <= RANK_MAX_CANDIDATES.get(protocol, 64) else "lax"
+    limit = RANK_ROWS_MEASURED * RANK_MAX_CANDIDATES.get(protocol, 64) ** 2
+    return "rank" if rows * candidates ** 2 <= limit else "lax"
 
 
-def build_policy(FLAGS, name: str, protocol: str, prompt_len: int, options: dict | None = None):
+def build_policy(FLAGS, name: str, protocol: str, prompt_len: int, num_kv_heads: int,
+                 options: dict | None = None):
     """The registered policy (with `options`, e.g. a --variants entry) with the benchmark's
     budget and per-protocol top-k method."""
     from experiments.accuracy import parse_budget
@@ -76,12 +81,13 @@ def build_policy(FLAGS, name: str, protocol: str, prompt_len: int, options: dict
     if "share_from" in fields and FLAGS.mpc_share_from is not None:
         changes["share_from"] = FLAGS.mpc_share_from
     if "topk_method" in fields:
-        # The largest candidate row the policy ranks: clusters of the kept region for
-        # clustered selection, tokens for token-level selection.
-        candidates = prompt_len
-        if hasattr(policy, "sizes") and hasattr(policy, "kept_count"):
-            candidates = -(-policy.kept_count(prompt_len) // policy.sizes[-1])
-        changes["topk_method"] = topk_method_for(FLAGS, protocol, candidates)
+        # The rows and longest candidate row the policy ranks: MPCache's levels say theirs
+        # (clusters, one row per layer or per KV head); token-level selection is costed like
+        # the measured per-head case (every prompt token a candidate).
+        rows, candidates = RANK_ROWS_MEASURED, prompt_len
+        if hasattr(policy, "ranked_rows"):
+            rows, candidates = policy.ranked_rows(prompt_len, num_kv_heads)
+        changes["topk_method"] = topk_method_for(FLAGS, protocol, rows, candidates)
     return dataclasses.replace(policy, **changes), budget
 
 
@@ -164,7 +170,7 @@ def bench_decode(FLAGS, out_path):
             logits, dense, aux = model.prefill(params, list(prompt), model.init_cache(T + NEW_SLOTS),
                                                return_queries=need_queries)
             for label, name, options in costed_policies(FLAGS):
-                policy, budget = build_policy(FLAGS, name, protocol, T, options)
+                policy, budget = build_policy(FLAGS, name, protocol, T, cfgm.num_kv_heads, options)
                 extra = {"scope": "decoder_layers", "budget": budget,
                          "topk_method": getattr(policy, "topk_method", None),
                          "share_from": getattr(policy, "share_from", None),
@@ -385,7 +391,8 @@ def bench_generate(FLAGS, out_path):
     for protocol in protocols(FLAGS):
         cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
         for name in FLAGS.policies:
-            policy, budget = build_policy(FLAGS, name, protocol, len(prompt_ids))
+            policy, budget = build_policy(FLAGS, name, protocol, len(prompt_ids),
+                                          loaded.model.cfg.num_kv_heads)
             plain = mpc.SecureSession(mpc.make_backend("xla"), loaded.model, loaded.params,
                                       policy).generate(prompt_ids, FLAGS.max_new_tokens)
             backend = mpc.make_backend(FLAGS.backend, cfg)

@@ -295,3 +295,33 @@ def test_softmax_normalisations_agree_and_are_validated(tiny):
         logits = [_run(model, params, tokens, make_policy(name, 0.25, softmax=m), 128, 3)[0]
                   for m in ("reciprocal", "divide")]
         np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("options", [
+    {"levels": ((16, 0.2), (4, None))},                                   # the default
+    {"levels": ((16, 0.5), (8, 0.5), (4, None)), "select_scope": "head"},
+    {"levels": ((8, 0.5), (4, None)), "static": True, "static_keep": 64},
+], ids=["default", "three_levels_per_head", "after_static"])
+def test_ranked_rows_are_the_rows_selection_ranks(tiny, options, monkeypatch):
+    """The cost runs choose pairwise rank or sort from `ranked_rows`; it must name the rows
+    and the longest row that `select` actually hands to the top-k."""
+    model, params, tokens = tiny
+    T = 120
+    policy = make_policy("mpcache", 0.2, **options)
+    seen = []
+    real_topk = P.topk_mask
+
+    def recording(scores, k, **kw):
+        seen.append(scores.shape)
+        return real_topk(scores, k, **kw)
+    cache = model.init_cache(T + 4)
+    _, cache, aux = model.prefill(params, tokens[:T], cache, return_queries=True)
+    cache = compress_cache(policy, cache, aux, 4)
+    monkeypatch.setattr(P, "topk_mask", recording)   # the decode step's selection only
+    jax.eval_shape(lambda c: model.module.apply({"params": params}, tokens[T], T, c, policy,
+                                                method=type(model.module).decode), cache)
+    assert seen, "selection ranked nothing"
+    rows, longest = policy.ranked_rows(T, model.cfg.num_kv_heads)
+    layer_rows = {shape[:-1] for shape in seen}
+    assert {r[0] for r in layer_rows} == {rows}
+    assert max(shape[-1] for shape in seen) == longest

@@ -207,6 +207,18 @@ class MPCache(PromptEvictionPolicy):
             counts[i] = min(valid[i], max(keep, need, min(2, valid[i])))
         return counts
 
+    def ranked_rows(self, prompt_len: int, num_kv_heads: int) -> tuple[int, int]:
+        """(rows, candidates of the longest row) that one layer's selection ranks for a prompt
+        of prompt_len tokens (+ room for generated ones): level 0 ranks every cluster of the
+        region, a finer level the children of the clusters chosen above (`select`). Cost
+        runs pick the top-k method from it (pairwise rank is O(rows x candidates^2) work)."""
+        sizes, kept = self.sizes, self.kept_count(prompt_len)
+        counts = self.level_counts(kept, P.budget_tokens(self.budget, prompt_len))
+        region = self.region_capacity(prompt_len, kept)
+        longest = max([math.ceil(region / sizes[0])] + [
+            counts[i - 1] * (sizes[i - 1] // sizes[i]) for i in range(1, len(sizes))])
+        return (1 if self.select_scope == "layer" else num_kv_heads), longest
+
     def check_prompt(self, prompt_len: int) -> None:
         if self.static and self.static_cluster > 1:
             s = self.static_cluster
@@ -356,15 +368,24 @@ class MPCache(PromptEvictionPolicy):
         valid = state.valid[:token.shape[0]]
         token = token * valid - P.EMPTY_BOUND * (1.0 - valid)                # [R, S]
 
-        def exact_level(i):
-            clusters = token.reshape(token.shape[0], S // self.sizes[i], self.sizes[i])
+        # Cluster maxima finest first, each coarser level from the one below: the comparison
+        # tree is log2(coarsest size) deep for all levels together, and a finer level's
+        # candidates gather their precomputed maxima (one one-hot product) instead of their
+        # tokens to compare again.
+        R, sizes = token.shape[0], self.sizes
+        maxima = [jnp.max(token.reshape(R, S // sizes[-1], sizes[-1]), axis=-1)]   # [R, C_last]
+        for i in range(len(sizes) - 2, -1, -1):
+            finer = maxima[0]
+            maxima.insert(0, jnp.max(finer.reshape(R, S // sizes[i], sizes[i] // sizes[i + 1]),
+                                     axis=-1))                                     # [R, C_i]
 
+        def exact_level(i):
             def level(child):
                 if child is None:
-                    return jnp.max(clusters, axis=-1)                          # [R, C]
-                return jnp.max(P.gather_rows(child, clusters), axis=-1)        # [R, n]
+                    return maxima[i]                                               # [R, C]
+                return P.gather_rows(child, maxima[i][..., None])[..., 0]          # [R, n]
             return level
-        return [exact_level(i) for i in range(len(self.sizes))]
+        return [exact_level(i) for i in range(len(sizes))]
 
     def select(self, q, state: PrunedLayer, scores: jax.Array | None = None) -> jax.Array:
         """Hierarchical selection -> integer one-hot [H_kv, k, C] over the finest clusters (rows
