@@ -70,10 +70,11 @@ flags.DEFINE_string("runtime_config", None,
                     "SPU RuntimeConfig as a JSON file or text (field, fxp_fraction_bits, "
                     "fxp_exp_mode, ...), optionally wrapped as {runtime_config, parties}.")
 flags.DEFINE_list("seq_lens", ["512", "1024", "2048"], "Cache lengths (prompt tokens) to cost.")
-flags.DEFINE_enum("mpc_bench", "decode", ["decode", "gather", "topk", "norm", "generate"],
-                  "decode: per-token decode cost per policy; gather: Table 2; topk: lax vs rank; "
-                  "norm: one RMSNorm scale, one vs two rsqrt; "
-                  "generate: secure greedy generation of --prompt vs plaintext.")
+flags.DEFINE_string("mpc_bench", "decode",
+                    "A benchmark registered in experiments.mpc_cost.BENCHMARKS (its docstring "
+                    "lists them): decode (per-token decode cost per policy), gather (Table 2), "
+                    "gather_dtype, repeat_noise, topk (lax vs rank), norm (one vs two rsqrt), "
+                    "generate (secure greedy generation of --prompt vs plaintext).")
 flags.DEFINE_enum("topk_method", "auto", ["auto", "lax", "rank"],
                   "Top-k for policies that have one; auto = the cheaper one per protocol.")
 flags.DEFINE_integer("mpc_share_from", None,

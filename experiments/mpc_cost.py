@@ -1,21 +1,30 @@
 """`--experiment=mpc_cost`: cost of secure decode steps (and of their building blocks) under MPC.
 
-Benchmarks (`--mpc_bench`):
-  decode  per-token decode cost of each policy at each cache length (Figure 10 / 11 analogs,
-          the oracle floor): the decoder layers of one decode step (`--num_layers` of them) run
-          under SPU on a cache prefilled in plaintext (cost does not depend on values) and
-          secret-shared; the policy-independent LM head + argmax is measured once as `lm_head`.
-          `no_cache` recomputes prompt + generated tokens through the layers each step.
-          `oracle` rows: attention to exactly the budgeted prompt tokens chosen publicly and for
-          free (StreamingLLM's positional choice, a selection without any secure computation).
-  gather  Table 2: token-level vs cluster-level one-hot gathers of 25% of the keys.
-  topk    lax.top_k vs pairwise-rank top-k on [heads, N] secret scores (Appendix B.5).
+Every benchmark is a function registered in BENCHMARKS (`--mpc_bench=NAME`; `@benchmark`)
+that takes a typed CostConfig (built once from the flags, or directly in code) and a Harness
+(the loop over protocols and backends, and the records: every party's cost, printed and
+appended to DIR/results.jsonl.partial, renamed to results.jsonl when the run has finished).
+
+  decode        per-token decode cost of each policy at each cache length (Figure 10 / 11
+                analogs, the oracle floor): the decoder layers of one decode step
+                (`--num_layers` of them) under SPU on a cache prefilled in plaintext (cost does
+                not depend on values) and secret-shared; the policy-independent LM head +
+                argmax is measured once as `lm_head`. `no_cache` recomputes prompt + generated
+                tokens through the layers each step; `oracle` (a registered policy) attends to
+                exactly the budgeted prompt tokens chosen publicly and for free.
+  gather        Table 2: token-level vs cluster-level one-hot gathers of 25% of the keys.
+  gather_dtype  one-hot gather as fixed-point, cast, integer-from-comparison, gather_rows.
+  repeat_noise  the same program run again reports the same bytes summed over the parties.
+  topk          lax.top_k vs pairwise-rank top-k on [rows, N] secret scores (Appendix B.5).
+  norm          one RMSNorm scale: the shipped one-rsqrt form vs two rsqrts.
+  generate      secure greedy generation of --prompt vs the plaintext run (per-step costs).
 Each run prints the ratios measured in that run and writes DIR/results.jsonl.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import time
 
 import jax
@@ -42,44 +51,167 @@ ORACLE = "oracle"
 NEW_SLOTS = 8  # room for generated tokens in every policy's cache
 
 
-def mpc_config(FLAGS, protocol: str) -> mpc.MPCConfig:
-    if FLAGS.runtime_config:
-        return mpc.from_json(FLAGS.runtime_config, protocol=protocol)
+def mpc_config(settings, protocol: str) -> mpc.MPCConfig:
+    """The SPU configuration of `protocol` (settings: anything with a `runtime_config` JSON
+    file/text attribute, the flags or a CostConfig)."""
+    if settings.runtime_config:
+        return mpc.from_json(settings.runtime_config, protocol=protocol)
     return mpc.MPCConfig(protocol=protocol)
 
 
-def protocols(FLAGS) -> list[str]:
-    if FLAGS.backend == "xla":
-        return ["PLAINTEXT"]
-    if FLAGS.protocol:
-        return [p.strip().upper() for p in FLAGS.protocol.split(",") if p.strip()]
-    if FLAGS.runtime_config:
-        return [mpc.from_json(FLAGS.runtime_config).protocol]
-    return ["ABY3"]
+def protocols_of(backend: str, protocol: str | None, runtime_config: str | None) -> tuple:
+    if backend == "xla":
+        return ("PLAINTEXT",)
+    if protocol:
+        return tuple(p.strip().upper() for p in protocol.split(",") if p.strip())
+    if runtime_config:
+        return (mpc.from_json(runtime_config).protocol,)
+    return ("ABY3",)
 
 
-def topk_method_for(FLAGS, protocol: str, rows: int, candidates: int) -> str:
+@dataclasses.dataclass(frozen=True)
+class CostConfig:
+    """Everything a cost benchmark reads (CostConfig.from_flags maps the CLI onto it).
+
+    policies: (label, registered name, options) per costed policy (--policies + --variants);
+    budget: ratio of the prompt or token count; protocols: validated SPU protocols
+    ("PLAINTEXT" on the xla backend)."""
+
+    bench: str = "decode"
+    backend: str = "spu_sim"
+    protocols: tuple = ("ABY3",)
+    runtime_config: str | None = None
+    model: str = "llama-tiny"
+    weights_path: str | None = None
+    cache_dir: str | None = None
+    seed: int = 0
+    num_layers: int | None = None
+    activation_impl: str = "exact"
+    policies: tuple = (("full", "full", {}),)
+    budget: float | int = 0.1
+    seq_lens: tuple = (1024,)
+    topk_method: str = "auto"
+    share_from: int | None = None
+    softmax: str = "reciprocal"
+    no_cache_max_len: int = 512
+    gather_tokens: int = 1024
+    gather_clusters: int = 64
+    gather_dim: int = 128
+    topk_rows: int = 32
+    topk_sizes: tuple = (16, 32, 64, 128, 256)
+    prompt: str = "What is the capital of France?"
+    system_prompt: str | None = None
+    chat: bool = True
+    max_new_tokens: int = 8
+
+    def __post_init__(self):
+        if self.bench not in BENCHMARKS:
+            raise ValueError(f"--mpc_bench={self.bench!r} is not a benchmark; use one of "
+                             f"{', '.join(BENCHMARKS)}")
+        if self.backend not in mpc.BACKENDS:
+            raise ValueError(f"--backend={self.backend!r}; use one of {mpc.BACKENDS}")
+        for p in self.protocols:   # every protocol before any work
+            if p != "PLAINTEXT":
+                mpc_config(self, p)
+        if self.bench in ("decode", "generate"):
+            for label, name, options in self.policies:
+                if name not in ("full", "no_cache"):
+                    make_policy(name, budget=self.budget, **(options or {}))
+
+    @classmethod
+    def from_flags(cls, FLAGS) -> "CostConfig":
+        from experiments.accuracy import parse_budget, parse_variants
+        if FLAGS["budgets"].present and len(FLAGS.budgets) != 1:
+            raise ValueError(f"--experiment=mpc_cost costs one budget; --budgets="
+                             f"{','.join(FLAGS.budgets)}")
+        fields = {f.name for f in dataclasses.fields(cls)} - {
+            "bench", "protocols", "policies", "budget", "share_from", "seq_lens", "topk_sizes"}
+        return cls(bench=FLAGS.mpc_bench,
+                   protocols=protocols_of(FLAGS.backend, FLAGS.protocol, FLAGS.runtime_config),
+                   policies=tuple(parse_variants(FLAGS)), budget=parse_budget(FLAGS.budgets[0]),
+                   share_from=FLAGS.mpc_share_from,
+                   seq_lens=tuple(int(t) for t in FLAGS.seq_lens),
+                   topk_sizes=tuple(int(n) for n in FLAGS.topk_sizes),
+                   **{name: getattr(FLAGS, name) for name in fields})
+
+    def mpc(self, protocol: str) -> mpc.MPCConfig | None:
+        return None if self.backend == "xla" else mpc_config(self, protocol)
+
+
+class Harness:
+    """The protocol/backend loop and the records of one cost run.
+
+        for protocol, mpc_cfg, backend in harness.backends(): ...
+            harness.record("topk", protocol, mpc_cfg, cost, wall, policy=..., seq_len=...)
+    """
+
+    def __init__(self, cfg: CostConfig, out_path: pathlib.Path):
+        self.cfg, self.out_path, self.records = cfg, out_path, []
+
+    def backends(self):
+        """(protocol, its MPCConfig or None on xla, a fresh backend) per protocol."""
+        for protocol in self.cfg.protocols:
+            mpc_cfg = self.cfg.mpc(protocol)
+            yield protocol, mpc_cfg, mpc.make_backend(self.cfg.backend, mpc_cfg)
+
+    def record(self, bench: str, protocol: str, mpc_cfg, cost, wall: float, *, policy: str,
+               seq_len: int, model: str | None = None, num_layers: int = 0,
+               extra: dict | None = None) -> dict:
+        """One measured program: every party's cost (mpc.cost_fields: comm_bytes = bytes sent
+        summed over the parties, per-party bytes / actions / compute; zeros on plaintext),
+        written and printed."""
+        parties = mpc_cfg.parties if mpc_cfg else 1
+        fields = (mpc.cost_fields(cost, wall, parties) if cost is not None else
+                  {"comm_bytes": 0, "messages": 0, "party_send_bytes": [], "party_recv_bytes": [],
+                   "party_send_actions": [], "party_compute_s": [], "party_attribution": "",
+                   "wall_s": round(wall, 4), "compute_s": wall,
+                   "lan_latency_s": 0.0, "wan_latency_s": 0.0, "lan_total_s": wall,
+                   "wan_total_s": wall, "phase_breakdown": {}, "ops": {}})
+        rec = {"bench": bench, "policy": policy, "protocol": protocol,
+               "parties": parties, "seq_len": seq_len, "model": model or self.cfg.model,
+               "num_layers": num_layers, **fields, **(extra or {}),
+               "runtime_config": mpc_cfg.runtime_json() if mpc_cfg else None,
+               "git_commit": git_commit()}
+        self.add(rec)
+        _print_row(rec)
+        return rec
+
+    def add(self, rec: dict) -> dict:
+        """Any other record (summaries) into the same results file."""
+        self.records.append(rec)
+        write_jsonl(self.out_path, [rec], append=True)
+        return rec
+
+
+BENCHMARKS: dict = {}
+
+
+def benchmark(name: str):
+    """Register `fn(cfg: CostConfig, harness: Harness)` as `--mpc_bench=name`."""
+    def register(fn):
+        BENCHMARKS[name] = fn
+        return fn
+    return register
+
+
+def topk_method_for(cfg: CostConfig, protocol: str, rows: int, candidates: int) -> str:
     """Pairwise rank while its O(rows x candidates^2) local work stays within what was measured
     to beat lax.top_k (RANK_MAX_CANDIDATES candidates x RANK_ROWS_MEASURED rows), else lax."""
-    if FLAGS.topk_method != "auto":
-        return FLAGS.topk_method
+    if cfg.topk_method != "auto":
+        return cfg.topk_method
     limit = RANK_ROWS_MEASURED * RANK_MAX_CANDIDATES.get(protocol, 64) ** 2
     return "rank" if rows * candidates ** 2 <= limit else "lax"
 
 
-def build_policy(FLAGS, name: str, protocol: str, prompt_len: int, num_kv_heads: int,
+def build_policy(cfg: CostConfig, name: str, protocol: str, prompt_len: int, num_kv_heads: int,
                  options: dict | None = None):
     """The registered policy (with `options`, e.g. a --variants entry) with the benchmark's
-    budget and per-protocol top-k method."""
-    from experiments.accuracy import parse_budget
-    budget = parse_budget(FLAGS.budgets[0])
-    if name == ORACLE:
-        return make_policy("streaming_llm", budget=budget, softmax=FLAGS.softmax), budget
-    policy = make_policy(name, budget=budget, **(options or {}))
+    budget, softmax and per-protocol top-k method."""
+    policy = make_policy(name, budget=cfg.budget, **(options or {}))
     fields = {f.name for f in dataclasses.fields(policy)}
-    changes = {"softmax": FLAGS.softmax}
-    if "share_from" in fields and FLAGS.mpc_share_from is not None:
-        changes["share_from"] = FLAGS.mpc_share_from
+    changes = {"softmax": cfg.softmax}
+    if "share_from" in fields and cfg.share_from is not None:
+        changes["share_from"] = cfg.share_from
     if "topk_method" in fields:
         # The rows and longest candidate row the policy ranks: MPCache's levels say theirs
         # (clusters, one row per layer or per KV head); token-level selection is costed like
@@ -87,41 +219,17 @@ def build_policy(FLAGS, name: str, protocol: str, prompt_len: int, num_kv_heads:
         rows, candidates = RANK_ROWS_MEASURED, prompt_len
         if hasattr(policy, "ranked_rows"):
             rows, candidates = policy.ranked_rows(prompt_len, num_kv_heads)
-        changes["topk_method"] = topk_method_for(FLAGS, protocol, rows, candidates)
-    return dataclasses.replace(policy, **changes), budget
-
-
-def costed_policies(FLAGS) -> list[tuple[str, str, dict]]:
-    """(label, registered name, options): --policies plus configured --variants."""
-    from experiments.accuracy import parse_variants
-    return [(label, name, options) for label, name, options in parse_variants(FLAGS)]
-
-
-def _record(FLAGS, bench, protocol, cfg, model_name, num_layers, policy_name, seq_len, cost,
-            wall, extra=None):
-    parties = cfg.parties if cfg else 1
-    # Every party's profile (mpc.cost_fields): comm_bytes = bytes sent summed over the parties,
-    # per-party bytes / actions / compute in party_* fields. Plaintext runs: zeros, same keys.
-    fields = (mpc.cost_fields(cost, wall, parties) if cost is not None else
-              {"comm_bytes": 0, "messages": 0, "party_send_bytes": [], "party_recv_bytes": [],
-               "party_send_actions": [], "party_compute_s": [], "party_attribution": "",
-               "wall_s": round(wall, 4), "compute_s": wall,
-               "lan_latency_s": 0.0, "wan_latency_s": 0.0, "lan_total_s": wall,
-               "wan_total_s": wall, "phase_breakdown": {}, "ops": {}})
-    rec = {"bench": bench, "policy": policy_name, "protocol": protocol,
-           "parties": parties, "seq_len": seq_len, "model": model_name,
-           "num_layers": num_layers, **fields, **(extra or {}),
-           "runtime_config": cfg.runtime_json() if cfg else None,
-           "git_commit": git_commit()}
-    return rec
+        changes["topk_method"] = topk_method_for(cfg, protocol, rows, candidates)
+    return dataclasses.replace(policy, **changes), cfg.budget
 
 
 # ----- decode (Figures 10 / 11, limit) -------------------------------------------------------------
-def bench_decode(FLAGS, out_path):
-    loaded = registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
-                           seed=FLAGS.seed, num_layers=FLAGS.num_layers)
-    full_cfg = loaded.model.cfg.replace(activation_impl=FLAGS.activation_impl)
-    seq_lens = [int(t) for t in FLAGS.seq_lens]
+@benchmark("decode")
+def bench_decode(cfg: CostConfig, harness: Harness):
+    loaded = registry.load(cfg.model, weights_path=cfg.weights_path, cache_dir=cfg.cache_dir,
+                           seed=cfg.seed, num_layers=cfg.num_layers)
+    full_cfg = loaded.model.cfg.replace(activation_impl=cfg.activation_impl)
+    seq_lens = cfg.seq_lens
     # The decoder layers do not depend on the vocabulary: cost them with a 256-token vocabulary
     # (the one-hot embedding of the new token shrinks accordingly) so that only the layers'
     # weights are secret-shared; the real-vocabulary LM head is costed once on its own.
@@ -129,15 +237,13 @@ def bench_decode(FLAGS, out_path):
     cfgm = full_cfg.replace(vocab_size=256,
                             max_position=max(full_cfg.max_position, max(seq_lens) + NEW_SLOTS + 1))
     model = Model(cfgm)
-    params = model.init_params(FLAGS.seed)
+    params = model.init_params(cfg.seed)
     params_shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     head_params = {k: loaded.params[k] for k in ("final_norm", "lm_head")}
     del loaded
-    rng = np.random.RandomState(FLAGS.seed)
-    records = []
-    for protocol in protocols(FLAGS):
-        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
-        backend = mpc.make_backend(FLAGS.backend, cfg)
+    rng = np.random.RandomState(cfg.seed)
+    layers = {"num_layers": cfgm.num_layers}
+    for protocol, mpc_cfg, backend in harness.backends():
         # LM head + argmax: policy independent, once per protocol.
         head_model = Model(full_cfg)
         head = backend.compile(mpc.head_fn(head_model), (head_params,
@@ -146,38 +252,31 @@ def bench_decode(FLAGS, out_path):
         hidden = backend.share(rng.randn(1, cfgm.hidden_size).astype(np.float32) * 0.1, mpc.SECRET)
         _, cost, wall = backend.run(head, backend.share(head_params, mpc.SECRET, owner=mpc.SERVER),
                                     hidden)
-        rec = _record(FLAGS, "decode", protocol, cfg, FLAGS.model, cfgm.num_layers, "lm_head", 0,
-                      cost, wall, {"scope": "lm_head", "vocab_size": full_cfg.vocab_size})
-        records.append(rec)
-        write_jsonl(out_path, [rec], append=True)
-        _print_row(rec)
+        harness.record("decode", protocol, mpc_cfg, cost, wall, policy="lm_head", seq_len=0,
+                       **layers, extra={"scope": "lm_head", "vocab_size": full_cfg.vocab_size})
         # MLP activation alone (exp/reciprocal of SiLU share op classes with the softmax).
         from models.transformer import activation_fn
         act = activation_fn(cfgm.activation, cfgm.activation_impl)
         x_act = rng.randn(cfgm.num_layers, cfgm.intermediate_size).astype(np.float32)
         prog = backend.compile(lambda x: act(x), (x_act,), mpc.SECRET)
         _, cost, wall = backend.run(prog, backend.share(x_act, mpc.SECRET))
-        rec = _record(FLAGS, "decode", protocol, cfg, FLAGS.model, cfgm.num_layers,
-                      "mlp_activation", 0, cost, wall,
-                      {"scope": "mlp_activation", "activation_impl": cfgm.activation_impl})
-        records.append(rec)
-        write_jsonl(out_path, [rec], append=True)
-        _print_row(rec)
+        harness.record("decode", protocol, mpc_cfg, cost, wall, policy="mlp_activation",
+                       seq_len=0, **layers, extra={"scope": "mlp_activation",
+                                                   "activation_impl": cfgm.activation_impl})
         params_sh = backend.share(params, mpc.SECRET, owner=mpc.SERVER)
         for T in seq_lens:
             prompt = rng.randint(0, cfgm.vocab_size, T)
-            need_queries = True
             logits, dense, aux = model.prefill(params, list(prompt), model.init_cache(T + NEW_SLOTS),
-                                               return_queries=need_queries)
-            for label, name, options in costed_policies(FLAGS):
-                policy, budget = build_policy(FLAGS, name, protocol, T, cfgm.num_kv_heads, options)
+                                               return_queries=True)
+            for label, name, options in cfg.policies:
+                policy, budget = build_policy(cfg, name, protocol, T, cfgm.num_kv_heads, options)
                 extra = {"scope": "decoder_layers", "budget": budget,
                          "topk_method": getattr(policy, "topk_method", None),
                          "share_from": getattr(policy, "share_from", None),
                          "softmax": policy.softmax}
                 if policy.recomputes:
-                    if T > FLAGS.no_cache_max_len:
-                        print(f"  skip no_cache at {T} > --no_cache_max_len={FLAGS.no_cache_max_len}")
+                    if T > cfg.no_cache_max_len:
+                        print(f"  skip no_cache at {T} > --no_cache_max_len={cfg.no_cache_max_len}")
                         continue
                     args = (params_shape, np.zeros((T + 1, cfgm.vocab_size), np.float32))
                     prog = backend.compile(mpc.forward_layers_fn(model), args,
@@ -201,15 +300,11 @@ def bench_decode(FLAGS, out_path):
                     pos = backend.share(np.int32(T), mpc.PUBLIC)
                     _, cost, wall = backend.run(prog, params_sh, tok, pos, cache_sh)
                     del cache_sh
-                rec = _record(FLAGS, "decode", protocol, cfg, FLAGS.model, cfgm.num_layers, label,
-                              T, cost, wall, extra)
-                records.append(rec)
-                write_jsonl(out_path, [rec], append=True)
-                _print_row(rec)
+                harness.record("decode", protocol, mpc_cfg, cost, wall, policy=label,
+                               seq_len=T, **layers, extra=extra)
             del dense
-    ratios = print_decode_ratios(records)
-    write_jsonl(out_path.parent / "ratios.jsonl", ratios)
-    return records
+    ratios = print_decode_ratios(harness.records)
+    write_jsonl(harness.out_path.parent / "ratios.jsonl", ratios)
 
 
 def _print_row(rec):
@@ -261,15 +356,22 @@ def print_decode_ratios(records) -> list[dict]:
     return out
 
 
-# ----- gather (Table 2) -----------------------------------------------------------------------------
-def bench_gather(FLAGS, out_path):
-    T, C, d = FLAGS.gather_tokens, FLAGS.gather_clusters, FLAGS.gather_dim
-    k1, k2 = T // 4, C // 4
-    s = T // C
-    rng = np.random.RandomState(FLAGS.seed)
+# ----- gathers (Table 2, one-hot data types, repeatability) ------------------------------------------
+def _gather_inputs(cfg: CostConfig):
+    """Table 2's inputs: a [T, d] key cache, 25% of the tokens and of the clusters."""
+    T, C, d = cfg.gather_tokens, cfg.gather_clusters, cfg.gather_dim
+    rng = np.random.RandomState(cfg.seed)
     keys = rng.randn(T, d).astype(np.float32)
-    idx1 = np.sort(rng.choice(T, k1, replace=False)).astype(np.int32)
-    idx2 = np.sort(rng.choice(C, k2, replace=False)).astype(np.int32)
+    tokens = np.sort(rng.choice(T, T // 4, replace=False)).astype(np.int32)
+    clusters = np.sort(rng.choice(C, C // 4, replace=False)).astype(np.int32)
+    return keys, tokens, clusters
+
+
+@benchmark("gather")
+def bench_gather(cfg: CostConfig, harness: Harness):
+    T, C, d = cfg.gather_tokens, cfg.gather_clusters, cfg.gather_dim
+    s = T // C
+    keys, idx1, idx2 = _gather_inputs(cfg)
 
     def token_level(idx, K):
         return P.gather_rows(P.indices_onehot(idx, T, jnp.int32), K)
@@ -277,38 +379,104 @@ def bench_gather(FLAGS, out_path):
     def cluster_level(idx, K):
         return P.gather_clusters(P.indices_onehot(idx, C, jnp.int32), K, s)
 
-    records = []
-    for protocol in protocols(FLAGS):
-        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
-        backend = mpc.make_backend(FLAGS.backend, cfg)
+    for protocol, mpc_cfg, backend in harness.backends():
         K = backend.share(keys, mpc.SECRET, owner=mpc.CLIENT)
+        row = {}
         for name, fn, idx in (("token_level", token_level, idx1),
                               ("cluster_level", cluster_level, idx2)):
             prog = backend.compile(fn, (idx, keys), (mpc.SECRET, mpc.SECRET))
             _, cost, wall = backend.run(prog, backend.share(idx, mpc.SECRET), K)
-            rec = _record(FLAGS, "gather", protocol, cfg, f"K[{T}x{d}]", 0, name, T, cost, wall,
-                          {"clusters": C, "selected": len(idx), "cluster_size": s})
-            records.append(rec)
-            write_jsonl(out_path, [rec], append=True)
-            _print_row(rec)
-        tok, clu = records[-2], records[-1]
+            row[name] = harness.record("gather", protocol, mpc_cfg, cost, wall, policy=name,
+                                       seq_len=T, model=f"K[{T}x{d}]", extra={
+                                           "clusters": C, "selected": len(idx), "cluster_size": s})
+        tok, clu = row["token_level"], row["cluster_level"]
         if clu["comm_bytes"]:
             print(f"  {protocol}: token/cluster comm {tok['comm_bytes'] / clu['comm_bytes']:.1f}x, "
                   f"LAN network time {tok['lan_latency_s'] / clu['lan_latency_s']:.1f}x, LAN "
                   f"total {tok['lan_total_s'] / clu['lan_total_s']:.1f}x "
                   "(paper: 369.8x comm, 73.5x latency)")
-    return records
+
+
+# MPCache's cluster gather at T = 2048 with a 25% static keep: 12 of 32 clusters of 16 tokens
+# x 32 dims, for 32 heads.
+GATHER_DTYPE_SHAPE = {"heads": 32, "selected": 12, "clusters": 32, "row": 16 * 32}
+_BATCHED = (((2,), (1,)), ((0,), (0,)))
+
+
+@benchmark("gather_dtype")
+def bench_gather_dtype(cfg: CostConfig, harness: Harness):
+    """A fixed-point x fixed-point matmul truncates every output; an integer one-hot (from the
+    comparison that builds it) needs no truncation. Casting a fixed-point one-hot to int is
+    itself a truncation, so the integer one-hot has to come from the comparison."""
+    H, k, C, D = (GATHER_DTYPE_SHAPE[n] for n in ("heads", "selected", "clusters", "row"))
+    rng = np.random.RandomState(cfg.seed)
+    onehot = np.zeros((H, k, C), np.float32)
+    for h in range(H):
+        onehot[h, np.arange(k), rng.choice(C, k, replace=False)] = 1.0
+    x = rng.randn(H, C, D).astype(np.float32)
+    want = np.einsum("hkc,hcd->hkd", onehot, x)
+    variants = {
+        "fixed_point_onehot": lambda o, v: jnp.einsum("hkc,hcd->hkd", o, v),
+        "cast_fixed_point_to_int": lambda o, v: jax.lax.dot_general(
+            o.astype(jnp.int32), v, _BATCHED, preferred_element_type=jnp.float32),
+        "int_onehot_from_comparison": lambda o, v: jax.lax.dot_general(
+            (o > 0.5).astype(jnp.int32), v, _BATCHED, preferred_element_type=jnp.float32),
+        "gather_rows": lambda o, v: P.gather_rows(o, v),    # what the policies use
+    }
+    for protocol, mpc_cfg, backend in harness.backends():
+        base = None
+        for name, fn in variants.items():
+            program = backend.compile(fn, (onehot, x), mpc.SECRET)
+            out, cost, wall = backend.run(program, *backend.share((onehot, x), mpc.SECRET))
+            err = float(np.abs(np.asarray(backend.reveal(out)) - want).max())
+            rec = harness.record("gather_dtype", protocol, mpc_cfg, cost, wall, policy=name,
+                                 seq_len=C, model=f"onehot[{H}x{k}x{C}] @ x[{C}x{D}]",
+                                 extra={"max_abs_error": err})
+            base = base or rec["comm_bytes"]
+            print(f"  {name}: {base / max(rec['comm_bytes'], 1):.2f}x fewer bytes than the "
+                  f"fixed-point one-hot, max error {err:.1e}")
+
+
+REPEATS = 4
+
+
+@benchmark("repeat_noise")
+def bench_repeat_noise(cfg: CostConfig, harness: Harness):
+    """Table 2's token-level gather run REPEATS times by one backend: ABY3 kernels that draw
+    asymmetric roles per call (B2A by OT, eqz, TruncAPr2) change each party's bytes from run
+    to run; the sum over the parties (comm_bytes) must not change, and equals the sum
+    received."""
+    T = cfg.gather_tokens
+    keys, idx, _ = _gather_inputs(cfg)
+    variants = {
+        "fixed_point_onehot": lambda i, K: P.indices_onehot(i, T, K.dtype) @ K,
+        "int_onehot_gather_rows": lambda i, K: P.gather_rows(P.indices_onehot(i, T, jnp.int32), K),
+    }
+    for protocol, mpc_cfg, backend in harness.backends():
+        for name, fn in variants.items():
+            program = backend.compile(fn, (idx, keys), (mpc.SECRET, mpc.SECRET))
+            totals = []
+            for rep in range(REPEATS):
+                _, cost, wall = backend.run(program, backend.share(idx, mpc.SECRET),
+                                            backend.share(keys, mpc.SECRET))
+                rec = harness.record("repeat_noise", protocol, mpc_cfg, cost, wall, policy=name,
+                                     seq_len=T, model=f"K[{T}x{cfg.gather_dim}]",
+                                     extra={"repeat": rep})
+                totals.append(rec["comm_bytes"])
+                print(f"    per party MB " + " ".join(
+                    f"{b / 1e6:7.2f}" for b in rec["party_send_bytes"]))
+            same = "the same in every run" if len(set(totals)) == 1 else "NOT the same in every run"
+            print(f"  {protocol} {name}: sum over parties {min(totals) / 1e6:.2f}-"
+                  f"{max(totals) / 1e6:.2f} MB, {same}")
 
 
 # ----- top-k (Appendix B.5) -------------------------------------------------------------------------
-def bench_topk(FLAGS, out_path):
-    rng = np.random.RandomState(FLAGS.seed)
-    H = FLAGS.topk_rows
-    records = []
-    for protocol in protocols(FLAGS):
-        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
-        backend = mpc.make_backend(FLAGS.backend, cfg)
-        for N in [int(n) for n in FLAGS.topk_sizes]:
+@benchmark("topk")
+def bench_topk(cfg: CostConfig, harness: Harness):
+    rng = np.random.RandomState(cfg.seed)
+    H = cfg.topk_rows
+    for protocol, mpc_cfg, backend in harness.backends():
+        for N in cfg.topk_sizes:
             scores = rng.randn(H, N).astype(np.float32)
             k = max(1, N // 4)
             row = {}
@@ -317,17 +485,13 @@ def bench_topk(FLAGS, out_path):
                     return P.topk_mask(x, k, method=method)
                 prog = backend.compile(fn, (scores,), (mpc.SECRET,))
                 _, cost, wall = backend.run(prog, backend.share(scores, mpc.SECRET))
-                rec = _record(FLAGS, "topk", protocol, cfg, f"scores[{H}x{N}]", 0, method, N,
-                              cost, wall, {"k": k, "rows": H})
-                records.append(rec)
-                row[method] = rec
-                write_jsonl(out_path, [rec], append=True)
-                _print_row(rec)
+                row[method] = harness.record("topk", protocol, mpc_cfg, cost, wall, policy=method,
+                                             seq_len=N, model=f"scores[{H}x{N}]",
+                                             extra={"k": k, "rows": H})
             a, b = row["lax"], row["rank"]
             cheaper = "rank" if b["lan_total_s"] < a["lan_total_s"] else "lax"
             print(f"  {protocol} N={N}: lax/rank comm {a['comm_bytes'] / max(b['comm_bytes'], 1):.2f}x,"
                   f" LAN total {a['lan_total_s'] / max(b['lan_total_s'], 1e-9):.2f}x -> {cheaper}")
-    return records
 
 
 # ----- one RMSNorm scale ----------------------------------------------------------------------------
@@ -343,127 +507,95 @@ def _two_rsqrt_scale(x, eps):
                      jax.lax.rsqrt(mean_square + eps))
 
 
-def bench_norm(FLAGS, out_path):
+@benchmark("norm")
+def bench_norm(cfg: CostConfig, harness: Harness):
     """Messages / bytes of one RMSNorm scale on a hidden-size row (with an attention-sink
     entry, so the large-row branch is taken): shipped one-rsqrt form vs two rsqrts."""
     from models.transformer import rms_scale
-    cfg_model = registry.get_config(FLAGS.model)
-    x = np.random.RandomState(FLAGS.seed).randn(1, cfg_model.hidden_size).astype(np.float32)
+    cfg_model = registry.get_config(cfg.model)
+    x = np.random.RandomState(cfg.seed).randn(1, cfg_model.hidden_size).astype(np.float32)
     x[0, 5] = 2.0e4
     exact = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg_model.norm_eps)
-    records = []
-    for protocol in protocols(FLAGS):
-        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
-        backend = mpc.make_backend(FLAGS.backend, cfg)
+    for protocol, mpc_cfg, backend in harness.backends():
         row = {}
         for name, fn in (("one_rsqrt", rms_scale), ("two_rsqrt", _two_rsqrt_scale)):
             prog = backend.compile(lambda v, fn=fn: fn(v, cfg_model.norm_eps), (x,), (mpc.SECRET,))
             out, cost, wall = backend.run(prog, backend.share(x, mpc.SECRET))
             value = float(np.asarray(backend.reveal(out)).ravel()[0])
-            rec = _record(FLAGS, "norm", protocol, cfg, FLAGS.model, 0, name,
-                          cfg_model.hidden_size, cost, wall,
-                          {"value": value, "rel_error": abs(value - exact) / exact})
-            records.append(rec)
-            row[name] = rec
-            write_jsonl(out_path, [rec], append=True)
-            _print_row(rec)
+            row[name] = harness.record("norm", protocol, mpc_cfg, cost, wall, policy=name,
+                                       seq_len=cfg_model.hidden_size, extra={
+                                           "value": value, "rel_error": abs(value - exact) / exact})
         a, b = row["two_rsqrt"], row["one_rsqrt"]
         print(f"  {protocol}: two/one rsqrt messages {a['messages'] / max(b['messages'], 1):.2f}x,"
               f" comm {a['comm_bytes'] / max(b['comm_bytes'], 1):.2f}x; relative error "
               f"{b['rel_error']:.1e} (one) / {a['rel_error']:.1e} (two)")
-    return records
 
 
 # ----- secure generation (real model) ----------------------------------------------------------------
-def bench_generate(FLAGS, out_path):
+@benchmark("generate")
+def bench_generate(cfg: CostConfig, harness: Harness):
     """Greedy secure generation (prefill + static eviction + decode steps under MPC) vs the
     plaintext run of the same programs; records time and communication per step."""
     from experiments.common import with_model_numerics
     loaded = with_model_numerics(registry.load(
-        FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir, seed=FLAGS.seed,
-        num_layers=FLAGS.num_layers), FLAGS)
+        cfg.model, weights_path=cfg.weights_path, cache_dir=cfg.cache_dir, seed=cfg.seed,
+        num_layers=cfg.num_layers), cfg)
     tok = loaded.tokenizer
     if tok is None:
-        raise ValueError(f"model {FLAGS.model!r} has no tokenizer; secure generation needs one")
-    prompt_ids = tok.encode_chat(FLAGS.prompt, system=FLAGS.system_prompt) if FLAGS.chat \
-        else tok.encode(FLAGS.prompt)
-    records = []
-    for protocol in protocols(FLAGS):
-        cfg = None if FLAGS.backend == "xla" else mpc_config(FLAGS, protocol)
-        for name in FLAGS.policies:
-            policy, budget = build_policy(FLAGS, name, protocol, len(prompt_ids),
-                                          loaded.model.cfg.num_kv_heads)
+        raise ValueError(f"model {cfg.model!r} has no tokenizer; secure generation needs one")
+    prompt_ids = tok.encode_chat(cfg.prompt, system=cfg.system_prompt) if cfg.chat \
+        else tok.encode(cfg.prompt)
+    for protocol in cfg.protocols:
+        mpc_cfg = cfg.mpc(protocol)
+        for label, name, options in cfg.policies:
+            policy, budget = build_policy(cfg, name, protocol, len(prompt_ids),
+                                          loaded.model.cfg.num_kv_heads, options)
             plain = mpc.SecureSession(mpc.make_backend("xla"), loaded.model, loaded.params,
-                                      policy).generate(prompt_ids, FLAGS.max_new_tokens)
-            backend = mpc.make_backend(FLAGS.backend, cfg)
+                                      policy).generate(prompt_ids, cfg.max_new_tokens)
+            backend = mpc.make_backend(cfg.backend, mpc_cfg)
             t0 = time.perf_counter()
             secure = mpc.SecureSession(backend, loaded.model, loaded.params, policy).generate(
-                prompt_ids, FLAGS.max_new_tokens)
+                prompt_ids, cfg.max_new_tokens)
             total = time.perf_counter() - t0
             decode = [s for s in secure.steps if s.phase == "decode" and s.cost is not None]
             match = secure.tokens == plain.tokens
-            print(f"  {protocol} {name}: secure {secure.tokens}\n  {' ' * len(protocol)} {name}: "
+            print(f"  {protocol} {label}: secure {secure.tokens}\n  {' ' * len(protocol)} {label}: "
                   f"plain  {plain.tokens} -> {'SAME' if match else 'DIFFERENT'} tokens; "
                   f"text {tok.decode(secure.tokens)!r}")
             for step in secure.steps:
-                if step.cost is None:
-                    continue
-                rec = _record(FLAGS, "generate", protocol, cfg, FLAGS.model,
-                              loaded.model.cfg.num_layers, name, step.position, step.cost,
-                              step.wall_s, {"phase": step.phase, "budget": budget})
-                records.append(rec)
-                write_jsonl(out_path, [rec], append=True)
-                _print_row(rec)
-            summary = {"bench": "generate_summary", "policy": name, "protocol": protocol,
-                       "model": FLAGS.model, "prompt_tokens": len(prompt_ids),
-                       "tokens_secure": secure.tokens, "tokens_plain": plain.tokens,
-                       "same_tokens": match, "text": tok.decode(secure.tokens),
-                       "total_s": round(total, 2), "compile_s": round(secure.compile_s, 2),
-                       "decode_s_per_token": round(float(np.mean([s.wall_s for s in decode])), 3)
-                       if decode else None,
-                       "decode_comm_bytes_per_token": int(np.mean(
-                           [mpc.cost_fields(s.cost, 0, cfg.parties)["comm_bytes"] for s in decode]))
-                       if decode and cfg else None,
-                       "git_commit": git_commit()}
-            records.append(summary)
-            write_jsonl(out_path, [summary], append=True)
+                if step.cost is not None:
+                    harness.record("generate", protocol, mpc_cfg, step.cost, step.wall_s,
+                                   policy=label, seq_len=step.position,
+                                   num_layers=loaded.model.cfg.num_layers,
+                                   extra={"phase": step.phase, "budget": budget})
+            summary = harness.add({
+                "bench": "generate_summary", "policy": label, "protocol": protocol,
+                "model": cfg.model, "prompt_tokens": len(prompt_ids),
+                "tokens_secure": secure.tokens, "tokens_plain": plain.tokens,
+                "same_tokens": match, "text": tok.decode(secure.tokens),
+                "total_s": round(total, 2), "compile_s": round(secure.compile_s, 2),
+                "decode_s_per_token": round(float(np.mean([s.wall_s for s in decode])), 3)
+                if decode else None,
+                "decode_comm_bytes_per_token": int(np.mean(
+                    [mpc.cost_fields(s.cost, 0, mpc_cfg.parties)["comm_bytes"] for s in decode]))
+                if decode and mpc_cfg else None,
+                "git_commit": git_commit()})
             print(f"  summary: {summary}")
-    return records
-
-
-BENCHES = {"decode": bench_decode, "gather": bench_gather, "topk": bench_topk,
-           "norm": bench_norm, "generate": bench_generate}
 
 
 def run(FLAGS):
-    if FLAGS.backend not in mpc.BACKENDS:
-        raise ValueError(f"--backend={FLAGS.backend!r}; use one of {mpc.BACKENDS}")
-    for p in protocols(FLAGS):  # validate every protocol before any work
-        if p != "PLAINTEXT":
-            mpc_config(FLAGS, p)
-    if FLAGS.mpc_bench in ("decode", "generate"):
-        validate_policies(FLAGS)
+    cfg = CostConfig.from_flags(FLAGS)
     out_dir = ensure_dir(FLAGS.output_dir or "results/mpc_cost")
     out_path = out_dir / "results.jsonl"
     # Records accumulate in results.jsonl.partial; an earlier run's results.jsonl stays intact
     # until this run has finished and replaces it.
     partial = out_dir / "results.jsonl.partial"
     partial.unlink(missing_ok=True)
-    print(f"mpc_cost {FLAGS.mpc_bench}: backend={FLAGS.backend} protocols={protocols(FLAGS)} "
-          f"model={FLAGS.model} num_layers={FLAGS.num_layers} -> {out_path}")
-    records = BENCHES[FLAGS.mpc_bench](FLAGS, partial)
+    print(f"mpc_cost {cfg.bench}: backend={cfg.backend} protocols={list(cfg.protocols)} "
+          f"model={cfg.model} num_layers={cfg.num_layers} -> {out_path}")
+    harness = Harness(cfg, partial)
+    BENCHMARKS[cfg.bench](cfg, harness)
     write_jsonl(out_dir / "config.jsonl", [{"flags": flag_values(FLAGS), "git_commit": git_commit()}])
     if partial.exists():
         os.replace(partial, out_path)
-    print(f"{len(records)} records -> {out_path}")
-
-
-def validate_policies(FLAGS) -> None:
-    """Every --policies / --variants entry builds at the budget, before anything is costed."""
-    from experiments.accuracy import parse_budget
-    if FLAGS["budgets"].present and len(FLAGS.budgets) != 1:
-        raise ValueError(f"--experiment=mpc_cost costs one budget; --budgets={','.join(FLAGS.budgets)}")
-    budget = parse_budget(FLAGS.budgets[0])
-    for label, name, options in costed_policies(FLAGS):
-        if name not in (ORACLE, "full", "no_cache"):
-            make_policy(name, budget=budget, **(options or {}))
+    print(f"{len(harness.records)} records -> {out_path}")

@@ -153,7 +153,7 @@ def gather_rows(onehot: jax.Array, x: jax.Array) -> jax.Array:
     The one-hot enters the matmul as integers (a float one-hot is turned into integers by one
     comparison of its [k, N] entries; an integer one-hot is used as it is): under MPC an
     integer x fixed-point product needs no truncation of the [k, D] result (1.5x less ABY3
-    communication, `python -m experiments.gather_dtype_bench`); values are exact. Leading
+    communication, `--experiment=mpc_cost --mpc_bench=gather_dtype`); values are exact. Leading
     axes (heads) go through `batched_matmul` (one round of messages when small).
     """
     lead = jnp.broadcast_shapes(onehot.shape[:-2], x.shape[:-2])

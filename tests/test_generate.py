@@ -78,7 +78,7 @@ def test_cli_rejects_unknown_model():
 @pytest.mark.parametrize("flag,message", [
     ("--budgets=2.5", "must be a whole number"),
     ("--budgets=ten", "is not a number"),
-    ("--policies=full,oracle", "unknown policy 'oracle'"),
+    ("--policies=full,orcale", "unknown policy 'orcale'"),
     ("--variants={bad json", "not valid JSON"),
     ("--lengths=1400,long", "--lengths=1400,long: every entry must be a whole number"),
     ("--task=passkey,riddles", "unknown task(s) ['riddles']"),

@@ -73,3 +73,48 @@ def test_one_rsqrt_norm_needs_fewer_rounds_for_the_same_value(tmp_path):
     assert one["messages"] < 0.75 * two["messages"]
     assert one["comm_bytes"] <= 1.01 * two["comm_bytes"]
     assert one["rel_error"] < 1e-2 and two["rel_error"] < 1e-2
+
+
+def test_an_unknown_benchmark_is_rejected_naming_the_registered_ones(tmp_path):
+    from experiments.mpc_cost import BENCHMARKS
+    proc = run_cli("--mpc_bench=nope", f"--output_dir={tmp_path}", timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--mpc_bench='nope' is not a benchmark" in proc.stderr
+    assert all(name in proc.stderr for name in BENCHMARKS)
+    assert {"decode", "gather", "gather_dtype", "repeat_noise", "topk", "norm",
+            "generate"} <= set(BENCHMARKS)
+
+
+def test_typed_config_validates_before_any_work():
+    from experiments.mpc_cost import CostConfig
+    with pytest.raises(ValueError, match="unknown policy 'foo'"):
+        CostConfig(policies=(("foo", "foo", {}),))
+    with pytest.raises(ValueError, match="protocol='SPDZ' is unknown"):
+        CostConfig(bench="topk", protocols=("SPDZ",))
+    with pytest.raises(ValueError, match="--backend='gpu'"):
+        CostConfig(backend="gpu")
+
+
+def test_repeated_runs_report_the_same_bytes_and_integer_gathers_are_cheaper(tmp_path):
+    """repeat_noise and gather_dtype through the harness with a typed config (no flags): the
+    sum over the parties is identical run to run, though single parties' bytes may move."""
+    from experiments.mpc_cost import BENCHMARKS, REPEATS, CostConfig, Harness
+    cfg = CostConfig(bench="repeat_noise", gather_tokens=64, gather_dim=8)
+    harness = Harness(cfg, tmp_path / "r.jsonl")
+    BENCHMARKS["repeat_noise"](cfg, harness)
+    by_variant = {}
+    for r in harness.records:
+        by_variant.setdefault(r["policy"], []).append(r)
+        assert sum(r["party_send_bytes"]) == r["comm_bytes"] == sum(r["party_recv_bytes"])
+    assert {k: len(v) for k, v in by_variant.items()} == {
+        "fixed_point_onehot": REPEATS, "int_onehot_gather_rows": REPEATS}
+    for runs in by_variant.values():
+        assert len({r["comm_bytes"] for r in runs}) == 1 and runs[0]["comm_bytes"] > 0
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2 * REPEATS
+
+    cfg = CostConfig(bench="gather_dtype")
+    harness = Harness(cfg, tmp_path / "g.jsonl")
+    BENCHMARKS["gather_dtype"](cfg, harness)
+    rec = {r["policy"]: r for r in harness.records}
+    assert all(r["max_abs_error"] < 1e-2 for r in rec.values())
+    assert rec["int_onehot_from_comparison"]["comm_bytes"] < rec["fixed_point_onehot"]["comm_bytes"]

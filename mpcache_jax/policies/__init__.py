@@ -26,6 +26,10 @@ _REGISTRY: dict[str, tuple[Callable[..., AttentionPolicy], dict]] = {
     "full": (AttentionPolicy, {}),
     "no_cache": (NoCache, {}),
     "streaming_llm": (StreamingLLM, {}),
+    # The cost floor of any selection: attention to exactly the budgeted prompt tokens, chosen
+    # publicly and for free (StreamingLLM's positional choice, no secure computation). Costed
+    # beside the others by the MPC benchmarks; its outputs are streaming_llm's.
+    "oracle": (StreamingLLM, {}),
     "mpcache": (MPCache, {}),          # our default: see mpcache.py and WORKSPACE.md "Fidelity"
     "mpcache_paper": (MPCache, MPCACHE_PAPER),
     # Figure 11 ablation ladder on the authors' setting: full -> static -> +dynamic (token
