@@ -1,6 +1,7 @@
 """Helpers shared by experiments: result files and provenance (git commit, flag values)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -10,8 +11,11 @@ from typing import Any, Iterable
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@functools.lru_cache(maxsize=None)
 def git_commit() -> str:
-    """The repo's HEAD commit (with '+dirty' when the work tree has changes), or 'unknown'."""
+    """The repo's HEAD commit (with '+dirty' when the work tree has changes), or 'unknown'.
+    Read once per process (experiments.run reads it at start), so a long run's records name
+    the code it started with, not whatever was committed while it ran."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()

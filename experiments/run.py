@@ -22,6 +22,8 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     quiet_libraries()
+    from experiments.common import git_commit
+    git_commit()   # the code this run starts with, named in every record
     try:
         return dispatch()
     except (ValueError, FileNotFoundError) as err:

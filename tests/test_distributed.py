@@ -94,6 +94,9 @@ def test_multiprocess_generation_matches_spu_sim_and_plaintext(tmp_path, parties
         assert record["comm_bytes"] == sum(record["party_recv_bytes"])
         for key in ("wall_s", "compute_s", "lan_latency_s", "wan_latency_s", "phase_breakdown"):
             assert key in record
+        # Each party's own CPU time for the program (its process: no other party's work).
+        assert len(record["party_cpu_s"]) == parties and min(record["party_cpu_s"]) > 0
+    assert len(summary["decode_party_cpu_s_per_token"]) == parties
     # Every decode step runs the same program (to within the link's framing bytes).
     decode = [s["comm_bytes"] for s in steps[1:]]
     assert max(decode) - min(decode) < 1e-3 * min(decode)

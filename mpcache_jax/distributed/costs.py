@@ -17,7 +17,7 @@ from mpcache_jax.mpc.costs import OpCost, RunCost, cost_fields
 
 def run_cost_to_json(run: RunCost) -> dict:
     """One party's RunCost as plain data."""
-    return {"rank": run.rank, "name": run.name, "exec_s": run.exec_s,
+    return {"rank": run.rank, "name": run.name, "exec_s": run.exec_s, "cpu_s": run.cpu_s,
             "link": [run.send_bytes, run.recv_bytes, run.send_actions, run.recv_actions],
             "ops": {section: {op: [c.count, c.seconds, c.send_bytes, c.recv_bytes,
                                    c.send_actions, c.recv_actions] for op, c in table.items()}
@@ -32,8 +32,9 @@ def run_cost_from_json(value: dict, sender: str) -> RunCost:
                               for op, v in table.items()}
                for section, table in value["ops"].items()}
         sb, rb, sa, ra = (int(x) for x in value["link"])
+        cpu = value.get("cpu_s")
         return RunCost(str(value["name"]), float(value["exec_s"]), ops, sb, rb, sa, ra,
-                       int(value["rank"]))
+                       int(value["rank"]), cpu_s=None if cpu is None else float(cpu))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
         raise wire.WireError(sender, f"a malformed cost record ({err})") from None
 
@@ -54,5 +55,8 @@ def generation_records(result, *, backend: str, policy: str, budget, model: str,
                **{f"decode_{k}_per_token": float(np.mean([s[k] for s in decode]))
                   for k in ("comm_bytes", "messages", "wall_s", "compute_s", "lan_total_s")
                   if decode},
+               **({"decode_party_cpu_s_per_token": [float(x) for x in np.mean(
+                   [s["party_cpu_s"] for s in decode], axis=0)]}
+                  if decode and all("party_cpu_s" in s for s in decode) else {}),
                **extra}
     return steps + [summary]

@@ -199,11 +199,11 @@ class NodeBackend:
         ex = libspu.Executable(name=program.name, input_names=[x.name for x in leaves],
                                output_names=[o.name for o in outs], code=program.executable.code)
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         self.runtime.run(ex)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         mine = read_last_profile(self.log_path, offset)
-        mine.rank = self.rank
+        mine.rank, mine.cpu_s = self.rank, cpu
         costs = self.exchange(f"cost of {program.name}", run_cost_to_json(mine))
         runs = [run_cost_from_json(c, p) for c, p in zip(costs, self.config.party_ids)]
         return jax.tree_util.tree_unflatten(program.out_tree, outs), combine_parties(runs), wall

@@ -90,6 +90,7 @@ class RunCost:
     rank: int | None = None
     parties: tuple = ()
     attribution: str = ""
+    cpu_s: float | None = None   # the party process's CPU time for the run (multi-process only)
 
     @property
     def comm_bytes(self) -> int:
@@ -134,9 +135,11 @@ def combine_parties(runs) -> RunCost:
                     d.send_bytes + c.send_bytes, d.recv_bytes + c.recv_bytes,
                     d.send_actions + c.send_actions, d.recv_actions + c.recv_actions)
     attribution = max((r.attribution for r in runs), key=ATTRIBUTIONS.index)
+    cpu = [r.cpu_s for r in runs]
     return RunCost(runs[0].name, max(r.exec_s for r in runs), ops, sent, recv,
                    sum(r.send_actions for r in runs), sum(r.recv_actions for r in runs),
-                   None, tuple(runs), attribution)
+                   None, tuple(runs), attribution,
+                   None if None in cpu else max(cpu))
 
 
 # ----- log parsing -----------------------------------------------------------------------------
@@ -542,6 +545,9 @@ def cost_fields(run: RunCost, wall_s: float, parties: int | None = None) -> dict
       comm_bytes       bytes sent, summed over all parties (checked = bytes received);
       party_send_bytes / party_recv_bytes / party_send_actions / party_compute_s
                        each party's own, by rank (party_compute_s = its execution time);
+      party_cpu_s      each party process's CPU time for the program (user + system, all its
+                       threads: multi-process runs only; in the simulator the parties share
+                       one process). party_compute_s there is SPU's timer, network waits included;
       party_attribution how surely the simulator's shared log was split per party (the
                        per-party fields only; every sum above and below is exact regardless);
       messages         send actions summed over the parties / parties, rounded up: the mean
@@ -576,6 +582,8 @@ def cost_fields(run: RunCost, wall_s: float, parties: int | None = None) -> dict
     lan = LAN.latency(sent / n, messages)
     wan = WAN.latency(sent / n, messages)
     compute = max(p.exec_s for p in per)
+    cpu = {} if any(p.cpu_s is None for p in per) else {
+        "party_cpu_s": [round(float(p.cpu_s), 4) for p in per]}
     return {
         "comm_bytes": int(sent),
         "messages": int(messages),
@@ -583,6 +591,7 @@ def cost_fields(run: RunCost, wall_s: float, parties: int | None = None) -> dict
         "party_recv_bytes": [int(p.recv_bytes) for p in per],
         "party_send_actions": [int(p.send_actions) for p in per],
         "party_compute_s": [round(float(p.exec_s), 4) for p in per],
+        **cpu,
         "party_attribution": run.attribution or "own",
         "wall_s": round(float(wall_s), 4),
         "compute_s": round(float(compute), 4),
