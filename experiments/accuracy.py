@@ -469,10 +469,11 @@ def run(FLAGS) -> None:
 
 
 def print_table(results, mechanism_rows) -> None:
-    print(f"\n{'task':<14}{'policy':<22}{'budget':>7}{'score':>8}{'full':>8}{'agree':>7}"
+    width = max([len("task")] + [len(r["task"]) for r in results]) + 2
+    print(f"\n{'task':<{width}}{'policy':<22}{'budget':>7}{'score':>8}{'full':>8}{'agree':>7}"
           f"{'prefix':>8}{'kl':>8}{'n':>4}")
     for r in sorted(results, key=lambda r: (r["task"], r["policy"], str(r["budget"]))):
-        print(f"{r['task']:<14}{r['policy']:<22}{r['budget']!s:>7}{r['score']:>8.3f}"
+        print(f"{r['task']:<{width}}{r['policy']:<22}{r['budget']!s:>7}{r['score']:>8.3f}"
               f"{r['full_score']:>8.3f}{r['agree']:>7.2f}{r['agree_prefix']:>8.2f}"
               f"{r['kl']:>8.3f}{r['n']:>4}")
     if mechanism_rows:
