@@ -46,7 +46,7 @@ from models.model import Model
 # but O(N^2) local work. Counting the simulated compute, the rank is the faster one up to
 # RANK_MAX_CANDIDATES candidates per head (mpc_topk.flags, 2026-11-22), lax beyond.
 RANK_MAX_CANDIDATES = {"ABY3": 64, "SEMI2K": 128, "CHEETAH": 64}
-RANK_ROWS_MEASURED = 32
+RANK_ROWS_MEASURED = 32   # rows ranked per call in that measurement (--topk_rows)
 ORACLE = "oracle"
 NEW_SLOTS = 8  # room for generated tokens in every policy's cache
 
