@@ -155,7 +155,7 @@ def test_ratio_budget_too_small_for_forced_clusters(tiny):
 
 def test_registry_rejects_unknown_names_and_options():
     with pytest.raises(ValueError, match="unknown policy"):
-        make_policy("oracle")
+        make_policy("orcale")
     with pytest.raises(ValueError, match="no option"):
         make_policy("mpcache", 0.1, gamma=3)
     assert "mpcache" in POLICY_NAMES and "full" in POLICY_NAMES
