@@ -209,9 +209,9 @@ class MPCache(PromptEvictionPolicy):
 
     def ranked_rows(self, prompt_len: int, num_kv_heads: int) -> tuple[int, int]:
         """(rows, candidates of the longest row) that one layer's selection ranks for a prompt
-        of prompt_len tokens (+ room for generated ones): level 0 ranks every cluster of the
-        region, a finer level the children of the clusters chosen above (`select`). Cost
-        runs pick the top-k method from it (pairwise rank is O(rows x candidates^2) work)."""
+        of prompt_len tokens: level 0 ranks every cluster of the region, a finer level the
+        children of the clusters chosen above (`select`). Cost runs pick the top-k method
+        from it (pairwise rank is O(rows x candidates^2) work)."""
         sizes, kept = self.sizes, self.kept_count(prompt_len)
         counts = self.level_counts(kept, P.budget_tokens(self.budget, prompt_len))
         region = self.region_capacity(prompt_len, kept)
