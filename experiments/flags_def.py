@@ -74,7 +74,8 @@ flags.DEFINE_string("mpc_bench", "decode",
                     "A benchmark registered in experiments.mpc_cost.BENCHMARKS (its docstring "
                     "lists them): decode (per-token decode cost per policy), gather (Table 2), "
                     "gather_dtype, repeat_noise, topk (lax vs rank), norm (one vs two rsqrt), "
-                    "generate (secure greedy generation of --prompt vs plaintext).")
+                    "matmul (one secret matmul per shape), generate (secure greedy generation of "
+                    "--prompt vs plaintext).")
 flags.DEFINE_enum("topk_method", "auto", ["auto", "lax", "rank"],
                   "Top-k for policies that have one; auto = the cheaper one per protocol.")
 flags.DEFINE_integer("mpc_share_from", None,

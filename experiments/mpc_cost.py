@@ -17,6 +17,7 @@ appended to DIR/results.jsonl.partial, renamed to results.jsonl when the run has
   repeat_noise  the same program run again reports the same bytes summed over the parties.
   topk          lax.top_k vs pairwise-rank top-k on [rows, N] secret scores (Appendix B.5).
   norm          one RMSNorm scale: the shipped one-rsqrt form vs two rsqrts.
+  matmul        one secret matmul per shape and operand type (time vs output size vs MACs).
   generate      secure greedy generation of --prompt vs the plaintext run (per-step costs).
 Each run prints the ratios measured in that run and writes DIR/results.jsonl.
 """
@@ -492,6 +493,42 @@ def bench_topk(cfg: CostConfig, harness: Harness):
             cheaper = "rank" if b["lan_total_s"] < a["lan_total_s"] else "lax"
             print(f"  {protocol} N={N}: lax/rank comm {a['comm_bytes'] / max(b['comm_bytes'], 1):.2f}x,"
                   f" LAN total {a['lan_total_s'] / max(b['lan_total_s'], 1e-9):.2f}x -> {cheaper}")
+
+
+# ----- single matmuls ---------------------------------------------------------------------------------
+# (name, lhs shape, rhs shape, operand kind): the selection's one-hot composition of MPCache's
+# default on SmolLM2 at T = 1024 ([25, 52] x [52, 256]) as integers, integer x fixed point
+# (gather_rows) and fixed point, against one MLP matmul of a SmolLM2 decode layer.
+MATMUL_CASES = (("onehot_int_x_int", (25, 52), (52, 256), "int"),
+                ("onehot_int_x_fixed", (25, 52), (52, 256), "gather"),
+                ("onehot_fixed_x_fixed", (25, 52), (52, 256), "float"),
+                ("mlp_fixed_x_fixed", (1, 576), (576, 1536), "float"))
+REPEATS_MATMUL = 3
+
+
+@benchmark("matmul")
+def bench_matmul(cfg: CostConfig, harness: Harness):
+    """Whether a secret matmul's time follows its multiply-accumulates or its output size."""
+    rng = np.random.default_rng(cfg.seed)
+    for protocol, mpc_cfg, backend in harness.backends():
+        for name, a_shape, b_shape, kind in MATMUL_CASES:
+            if kind == "float":
+                args = (rng.normal(size=a_shape).astype(np.float32),
+                        rng.normal(size=b_shape).astype(np.float32))
+                fn = jnp.matmul
+            else:
+                args = (rng.integers(0, 2, a_shape).astype(np.int32),
+                        rng.integers(0, 2, b_shape).astype(np.int32) if kind == "int"
+                        else rng.normal(size=b_shape).astype(np.float32))
+                fn = jnp.matmul if kind == "int" else P.gather_rows
+            prog = backend.compile(fn, args, (mpc.SECRET, mpc.SECRET))
+            runs = [backend.run(prog, *(backend.share(a, mpc.SECRET) for a in args))
+                    for _ in range(REPEATS_MATMUL)]
+            _, cost, wall = sorted(runs, key=lambda r: r[2])[REPEATS_MATMUL // 2]   # median
+            harness.record("matmul", protocol, mpc_cfg, cost, wall, policy=name,
+                           seq_len=a_shape[1], model=f"{a_shape} x {b_shape}", extra={
+                               "macs": a_shape[0] * a_shape[1] * b_shape[1],
+                               "outputs": a_shape[0] * b_shape[1]})
 
 
 # ----- one RMSNorm scale ----------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_an_unknown_benchmark_is_rejected_naming_the_registered_ones(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--mpc_bench='nope' is not a benchmark" in proc.stderr
     assert all(name in proc.stderr for name in BENCHMARKS)
-    assert {"decode", "gather", "gather_dtype", "repeat_noise", "topk", "norm",
+    assert {"decode", "gather", "gather_dtype", "repeat_noise", "topk", "norm", "matmul",
             "generate"} <= set(BENCHMARKS)
 
 
