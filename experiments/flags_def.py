@@ -84,6 +84,10 @@ flags.DEFINE_enum("softmax", "reciprocal", ["reciprocal", "divide"],
                   "Decode attention's softmax normalisation for every costed policy: reciprocal "
                   "(one 1/sum per row, multiplied in) or divide (element-wise, jax.nn.softmax's "
                   "form and the paper's SPU setting).")
+flags.DEFINE_integer("mpc_repeats", 1,
+                     "decode bench: run each policy's step program this many times and record "
+                     "the run with the median compute (bytes and messages must not change; the "
+                     "shared machine's timing noise does).")
 flags.DEFINE_integer("no_cache_max_len", 512, "Longest cache length costed for no_cache.")
 flags.DEFINE_integer("gather_tokens", 1024, "Table 2: tokens T.")
 flags.DEFINE_integer("gather_clusters", 64, "Table 2: clusters C.")
@@ -112,7 +116,7 @@ EXPERIMENT_FLAGS = {
                                 "policy_chunk", "max_new_tokens"},
     "mpc_cost": COMMON_FLAGS | {"backend", "policies", "variants", "budgets", "protocol",
                                 "runtime_config", "seq_lens", "mpc_bench", "topk_method",
-                                "mpc_share_from", "softmax", "no_cache_max_len",
+                                "mpc_share_from", "softmax", "no_cache_max_len", "mpc_repeats",
                                 "gather_tokens", "gather_clusters", "gather_dim", "topk_rows",
                                 "topk_sizes", "prompt", "system_prompt", "chat",
                                 "max_new_tokens"},

@@ -70,33 +70,49 @@ def topk_mask(scores: jax.Array, k, *, valid: jax.Array | None = None,
     return (_pairwise_rank(s) < k).astype(dtype)
 
 
+def _rows_rolled(s: jax.Array, rows: int) -> jax.Array:
+    """[..., N] -> [..., rows, N] with out[r, i] = s[(i + r + 1) mod N]. Tiled, sliced and
+    reshaped: static data movement (an index gather is much slower under SPU)."""
+    N = s.shape[-1]
+    flat = jnp.tile(s, (1,) * (s.ndim - 1) + (rows + 2,))
+    band = flat[..., 1:1 + rows * (N + 1)]
+    return band.reshape(*s.shape[:-1], rows, N + 1)[..., :N]
+
+
+def _rows_sheared(m: jax.Array) -> jax.Array:
+    """[..., T, N] -> the same shape with out[r, n] = m[r, (n - r - 1) mod N] (row r turned
+    right by r + 1), by the same static slicing as `_rows_rolled`."""
+    *lead, T, N = m.shape
+    flat = jnp.concatenate([m, m], axis=-1).reshape(*lead, T * 2 * N)
+    flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, N)])
+    band = flat[..., N - 1:N - 1 + T * (2 * N - 1)]
+    return band.reshape(*lead, T, 2 * N - 1)[..., :N]
+
+
 def _pairwise_rank(s: jax.Array) -> jax.Array:
     """rank_i = #{j<i: s_j >= s_i} + #{j>i: s_j > s_i} for s: [..., N], from one comparison
     per pair. The pairs are laid out as [N // 2, N]: row t pairs entry i with (i + t) mod N,
     which lists every unordered pair once (row N/2 twice for even N: half of it is masked).
-    All index patterns are public constants, so the layout costs nothing under MPC."""
+    The layout is static slicing and the index patterns are public constants: under MPC it
+    costs no communication and no gather."""
     N = s.shape[-1]
     if N == 1:
         return jnp.zeros(s.shape, jnp.int32)
     t = np.arange(1, N // 2 + 1)[:, None]
     i = np.arange(N)[None, :]
-    j = (i + t) % N
-    wrap = j < i                                   # then the pair is (j, i), j the lower index
-    keep = ~((2 * t == N) & (i >= N // 2))
-    # Unsigned index constants: jnp indexing then skips its negative-index normalisation, a
-    # select over [N/2, N] constants that XLA would constant-fold once per call (minutes and
-    # gigabytes of compilation for token-level ranks in 30 layers).
-    hi = np.where(wrap, i, j).astype(np.uint32)
-    lo = np.where(wrap, j, i).astype(np.uint32)
-    later_wins = (s[..., hi] > s[..., lo]).astype(jnp.int32) * keep.astype(np.int32)
+    wrap = (i + t) % N < i                # then the pair is ((i + t) mod N, i): partner lower
+    keep = (~((2 * t == N) & (i >= N // 2))).astype(np.int32)
+    partner = _rows_rolled(s, N // 2)     # [..., N/2, N]: s_(i + t) mod N
+    # later_wins = s_hi > s_lo as the sign of one difference, flipped by a public select (a
+    # product with a public -1/1 would be a fixed-point product: one truncation per pair).
+    diff = partner - s[..., None, :]
+    later_wins = (jnp.where(wrap, -diff, diff) > 0).astype(jnp.int32) * keep
     # The lower index gains later_wins, the higher one keep - later_wins (s_lo >= s_hi).
     # Column i of row t holds i's own share ("stay") and its partner's ("move").
-    lose = keep.astype(np.int32) - later_wins
+    lose = keep - later_wins
     stay = jnp.where(wrap, lose, later_wins)
     move = jnp.where(wrap, later_wins, lose)       # belongs to entry (i + t) mod N
-    source = ((np.arange(N)[None, :] - t) % N).astype(np.uint32)  # move[t, n-t] belongs to n
-    moved = jnp.take_along_axis(move, np.broadcast_to(source, move.shape), axis=-1)
-    return jnp.sum(stay + moved, axis=-2)
+    return jnp.sum(stay + _rows_sheared(move), axis=-2)
 
 
 def indices_onehot(idx: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
@@ -176,6 +192,61 @@ def gather_clusters(onehot: jax.Array, x: jax.Array, cluster_size: int) -> jax.A
     rows = x.reshape(*lead, C, cluster_size * d)
     out = gather_rows(onehot, rows)
     return out.reshape(*lead, onehot.shape[-2] * cluster_size, d)
+
+
+# A hierarchical selection kept as its levels' one-hots ("chain"), coarse to fine:
+# ([R, k_0, N_0], [R, k_1, k_0 * r_1], ..., [R, k_L, k_{L-1} * r_L]). Level i picks k_i of the
+# r_i children of the k_{i-1} rows picked above, so the composed one-hot is [R, k_L, N_L] with
+# N_L = N_0 * r_1 * ... * r_L. Under MPC a secret one-hot product costs time per output entry:
+# picking through the chain never builds the composed [k_L, N_L] one-hot (nor the [k * r, N]
+# children of every level), and a coarse factor moves whole groups of rows at once.
+# A single one-hot array is a chain of one level.
+
+def as_chain(onehot) -> tuple:
+    return tuple(onehot) if isinstance(onehot, (tuple, list)) else (onehot,)
+
+
+def chain_shape(chain) -> tuple[int, int]:
+    """(rows picked k_L, finest candidates N_L) of a chain."""
+    chain = as_chain(chain)
+    total = chain[0].shape[-1]
+    for above, f in zip(chain, chain[1:]):
+        total *= f.shape[-1] // above.shape[-2]
+    return chain[-1].shape[-2], total
+
+
+def chain_pick(chain, rows: jax.Array) -> jax.Array:
+    """Gather through a chain. rows: [R, N, D] with N = m x N_L (m rows per finest candidate,
+    e.g. the tokens of a cluster) -> [R, k_L x m, D], in the composed one-hot's row order.
+    A chain with one row of selections (R = 1) serves rows of any R (broadcast)."""
+    chain = as_chain(chain)
+    D = rows.shape[-1]
+    y = rows.reshape(rows.shape[0], chain[0].shape[-1], -1)
+    for i, f in enumerate(chain):
+        if i:
+            y = y.reshape(y.shape[0], f.shape[-1], -1)
+        y = gather_rows(f, y)
+    return y.reshape(y.shape[0], -1, D)
+
+
+def chain_put(chain, picked: jax.Array) -> jax.Array:
+    """The transpose of `chain_pick`: picked [R, k_L x m, D] -> [R, N_L x m, D], each row put
+    back where it was picked from, zeros elsewhere."""
+    chain = as_chain(chain)
+    D = picked.shape[-1]
+    y = picked
+    for f in reversed(chain):
+        y = y.reshape(y.shape[0], f.shape[-2], -1)
+        y = gather_rows(jnp.swapaxes(f, -1, -2), y)
+    return y.reshape(y.shape[0], -1, D)
+
+
+def chain_dense(chain) -> jax.Array:
+    """The composed one-hot [R, k_L, N_L] (integer) of a chain (tests, analysis, slot masks)."""
+    chain = as_chain(chain)
+    if len(chain) == 1:
+        return chain[0]
+    return chain_pick(chain, jnp.eye(chain_shape(chain)[1], dtype=jnp.int32)[None])
 
 
 def cluster_bounds(k: jax.Array, cluster_size: int, valid: jax.Array | None = None

@@ -175,6 +175,34 @@ def test_every_shipped_flagfile_uses_only_flags_its_experiment_reads():
     assert checked >= 10
 
 
+def test_every_shipped_flagfile_names_registered_policies_that_construct():
+    """A flag file naming a policy (or a --variants option) the registry no longer has fails
+    here, not an hour into a run."""
+    import re
+    import types
+    from experiments.accuracy import parse_budget, parse_variants
+    from mpcache_jax.policies import make_policy
+    checked = 0
+    for path in sorted((REPO_ROOT / "experiments" / "flags").glob("*.flags")):
+        given = dict(re.match(r"--([a-z_]+)=(.*)$", line.strip()).groups()
+                     for line in path.read_text().splitlines() if re.match(r"--[a-z_]+=", line))
+        if not given.get("policies"):
+            continue
+        flags = types.SimpleNamespace(policies=given["policies"].split(","),
+                                      variants=given.get("variants") or None)
+        budgets = [parse_budget(b) for b in given.get("budgets", "0.1").split(",")]
+        for label, name, options in parse_variants(flags):
+            for budget in budgets:
+                try:
+                    make_policy(name, budget, **options)
+                except (ValueError, TypeError) as err:
+                    if "cannot hold" in str(err):   # a too-small budget is a runtime skip
+                        continue
+                    raise AssertionError(f"{path.name}: {label}: {err}") from err
+        checked += 1
+    assert checked >= 15
+
+
 @pytest.mark.parametrize("text,message", [
     ("", "no samples"),
     ('{"context": "a", "input": "b", "answers": ["c"]}\n{"context": "a", "input": \n',

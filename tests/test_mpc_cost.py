@@ -118,3 +118,15 @@ def test_repeated_runs_report_the_same_bytes_and_integer_gathers_are_cheaper(tmp
     rec = {r["policy"]: r for r in harness.records}
     assert all(r["max_abs_error"] < 1e-2 for r in rec.values())
     assert rec["int_onehot_from_comparison"]["comm_bytes"] < rec["fixed_point_onehot"]["comm_bytes"]
+
+
+def test_median_run_picks_the_median_compute_and_refuses_changing_costs():
+    from experiments.mpc_cost import median_run
+    fields = lambda cost, wall: {"comm_bytes": cost[0], "messages": cost[1], "compute_s": wall}
+    runs = iter([((10, 2), 5.0), ((10, 2), 1.0), ((10, 2), 3.0)])
+    cost, wall, times = median_run(lambda: next(runs), 3, fields)
+    assert (cost, wall, times) == ((10, 2), 3.0, [5.0, 1.0, 3.0])
+    assert median_run(lambda: ((10, 2), 4.0), 1, fields) == ((10, 2), 4.0, None)
+    runs = iter([((10, 2), 5.0), ((11, 2), 1.0)])
+    with pytest.raises(RuntimeError, match="different costs"):
+        median_run(lambda: next(runs), 2, fields)

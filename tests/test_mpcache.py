@@ -120,7 +120,8 @@ def test_shared_layers_reuse_selection(tiny):
     sel2 = policy.select(q, cache[2])
     _, _, carry = policy.attend(2, q, jnp.zeros((2, 16)), jnp.zeros((2, 16)), cache[2], None)
     _, _, carry3 = policy.attend(3, q, jnp.zeros((2, 16)), jnp.zeros((2, 16)), cache[3], carry)
-    np.testing.assert_array_equal(np.asarray(carry3), np.asarray(sel2))
+    assert carry3 is carry            # layer 3 reuses layer 2's selection chain as it is
+    np.testing.assert_array_equal(np.asarray(P.chain_dense(carry3)), np.asarray(sel2))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -241,8 +242,9 @@ def test_selection_matches_brute_force(levels):
             assert set(chosen[h].tolist()) == forced1 | set(rest1[: counts[1] - 2])
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("start,stop", [(0, 24), (3, 19)])
-def test_attend_selected_equals_gathering_keys_and_values(start, stop):
+def test_attend_selected_equals_gathering_keys_and_values(start, stop, shared):
     """Scores picked and probabilities scattered back by the one-hot = attention over the
     gathered clusters (plus the slots outside [start, stop) and the generated tokens)."""
     from mpcache_jax.cache import append_token, empty_layer
@@ -259,12 +261,13 @@ def test_attend_selected_equals_gathering_keys_and_values(start, stop):
     new = append_token(new, jnp.asarray(rng.randn(Hkv, d), jnp.float32),
                        jnp.asarray(rng.randn(Hkv, d), jnp.float32))
     C = (stop - start) // s
-    picks = [[0, C - 1], [1, 2]]
+    # shared: one selection for both heads and one valid row (passed as [S]), picked once.
+    picks = [[0, C - 1], [0, C - 1]] if shared else [[0, C - 1], [1, 2]]
     mask = np.zeros((Hkv, C), np.int32)
     for h, p in enumerate(picks):
         mask[h, p] = 1
-    onehot = P.mask_onehot(jnp.asarray(mask), 2)
-    got = attend_selected(q, k, v, valid, new, onehot, s, start, stop)
+    onehot = P.mask_onehot(jnp.asarray(mask[:1] if shared else mask), 2)
+    got = attend_selected(q, k, v, valid[0] if shared else valid, new, onehot, s, start, stop)
     slots = [np.concatenate([np.arange(start), *[start + c * s + np.arange(s) for c in p],
                              np.arange(stop, S)]) for p in picks]
     take = lambda x: jnp.stack([x[h, idx] for h, idx in enumerate(slots)])

@@ -105,6 +105,53 @@ def test_cluster_gather_equals_fancy_indexing():
     np.testing.assert_array_equal(got, expected)
 
 
+def _random_chain(rng, R, n0, picks):
+    """A 3-level selection chain: picks[i] of the candidates of level i (n0 at level 0, then
+    r children of each row picked above); returns (chain, the finest ids it picks per row)."""
+    chain, ids = [], [np.arange(n0)] * R
+    n = n0
+    for level, (k, r) in enumerate(picks):
+        cand = n if level == 0 else chain[-1].shape[1] * r
+        mask = np.zeros((R, cand), np.int32)
+        for row in range(R):
+            mask[row, np.sort(rng.choice(cand, k, replace=False))] = 1
+        chain.append(P.mask_onehot(jnp.asarray(mask), k))
+        if level == 0:
+            ids = [np.flatnonzero(mask[row]) for row in range(R)]
+        else:
+            children = [np.repeat(ids[row] * r, r) + np.tile(np.arange(r), len(ids[row]))
+                        for row in range(R)]
+            ids = [children[row][np.flatnonzero(mask[row])] for row in range(R)]
+        n = n * r if level else n
+    return tuple(chain), np.stack(ids)
+
+
+@pytest.mark.parametrize("R", [1, 3])
+def test_chain_pick_and_put_equal_the_composed_onehot(R):
+    """Picking through a selection's levels = picking with the composed one-hot (in the same
+    row order), and chain_put is its exact transpose; a 1-row chain serves every head."""
+    rng = np.random.RandomState(4)
+    chain, ids = _random_chain(rng, R, 6, [(3, None), (4, 2), (5, 4)])   # 6 -> 48 finest
+    k, N = P.chain_shape(chain)
+    assert (k, N) == (5, 48)
+    dense = np.asarray(P.chain_dense(chain))
+    assert dense.shape == (R, 5, 48) and dense.dtype == np.int32
+    np.testing.assert_array_equal(dense.argmax(-1), ids)
+    np.testing.assert_array_equal(dense.sum(-1), 1)
+    H, m, D = 3, 2, 5                                    # m rows per finest candidate
+    x = rng.randn(H, N * m, D).astype(np.float32)
+    got = np.asarray(P.chain_pick(chain, jnp.asarray(x)))
+    rows = (ids[:, :, None] * m + np.arange(m)).reshape(R, -1)           # [R, k * m]
+    want = np.stack([x[h, rows[h % R]] for h in range(H)])
+    np.testing.assert_array_equal(got, want)
+    y = rng.randn(H, k * m, D).astype(np.float32)
+    back = np.asarray(P.chain_put(chain, jnp.asarray(y)))
+    want_back = np.zeros((H, N * m, D), np.float32)
+    for h in range(H):
+        want_back[h, rows[h % R]] = y[h]
+    np.testing.assert_array_equal(back, want_back)
+
+
 def test_alpha_and_mp_bounds_on_a_2d_example():
     # One KV head, one query head, one cluster of two keys in 2-d.
     keys = jnp.asarray([[[1.0, -2.0], [3.0, 4.0]]])          # [1, 2, 2]

@@ -12,8 +12,6 @@ from mpcache_jax.policies import eviction, retrieval
 from mpcache_jax.policies.base import PromptEvictionPolicy, StreamingLLM
 from mpcache_jax.policies.mpcache import MPCache
 
-# name -> (policy class, fixed settings that define the variant). Baseline modules export
-# their own REGISTRY dicts (one line per configured policy) that are merged in below.
 # The authors' hyperparameters (their LongBench setting): per-layer token-level static eviction
 # voted by the last 20% of prompt queries, 32(0.5) -> 16 clusters scored by the alpha bound per
 # KV head, every other layer reusing the previous one's selection (from layer 2 on).

@@ -339,10 +339,10 @@ class MPCache(PromptEvictionPolicy):
         return P.cluster_scores(qg, digest[0], digest[0], mode="avg", mean=digest[0])
 
     def level_scores(self, qg, state: PrunedLayer, scores: jax.Array | None = None):
-        """Per level, a function from candidate clusters (None: all of them; or a one-hot
-        [R, n, C_level] picking them) to their scores [R, n]. R = H_kv (a selection per KV
-        head), or 1 (`select_scope="layer"`: one selection per layer, scores summed over its
-        heads).
+        """Per level, a function from candidate clusters (None: all of them; or the selection
+        of the levels above as a chain of one-hots, whose picks' children are the candidates:
+        `primitives.chain_pick`) to their scores [R, n]. R = H_kv (a selection per KV head), or
+        1 (`select_scope="layer"`: one selection per layer, scores summed over its heads).
 
         "exact": a cluster's score is its best token's q . k, the quantity the paper's bounds
         approximate, read from `scores` ([H_kv, G, S]: the step's attention scores of the
@@ -354,8 +354,7 @@ class MPCache(PromptEvictionPolicy):
                 def level(child):
                     digest = state.extras[i]
                     if child is not None:
-                        child = jnp.broadcast_to(child, (Hkv,) + child.shape[1:])
-                        digest = tuple(P.gather_rows(child, part) for part in digest)
+                        digest = tuple(P.chain_pick(child, part) for part in digest)
                     out = self._digest_scores(qg, digest)
                     return jnp.sum(out, axis=0, keepdims=True) if per_layer else out
                 return level
@@ -383,18 +382,24 @@ class MPCache(PromptEvictionPolicy):
             def level(child):
                 if child is None:
                     return maxima[i]                                               # [R, C]
-                return P.gather_rows(child, maxima[i][..., None])[..., 0]          # [R, n]
+                return P.chain_pick(child, maxima[i][..., None])[..., 0]           # [R, n]
             return level
         return [exact_level(i) for i in range(len(sizes))]
 
     def select(self, q, state: PrunedLayer, scores: jax.Array | None = None) -> jax.Array:
-        """Hierarchical selection -> integer one-hot [H_kv, k, C] over the finest clusters (rows
-        in cluster order). q: [H, d]. Masks, one-hots and their compositions across levels
-        are integers built from comparisons: under MPC none of them needs a truncation."""
+        """The composed selection: integer one-hot [R, k, C] over the finest clusters (rows in
+        cluster order); R = H_kv, or 1 for a per-layer selection. q: [H, d]."""
+        return P.chain_dense(self.select_chain(q, state, scores))
+
+    def select_chain(self, q, state: PrunedLayer, scores: jax.Array | None = None) -> tuple:
+        """Hierarchical selection as its levels' one-hots, coarse to fine (`primitives.chain_*`):
+        ([R, k_0, C_0], [R, k_1, k_0 * r_1], ...), level i choosing among the r_i children of
+        the clusters chosen above. Masks and one-hots are integers built from comparisons:
+        under MPC none of them needs a truncation, and nothing composes them."""
         Hkv, S, _ = state.k.shape
         qg = q.reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])
         level_scores = self.level_scores(qg, state, scores)
-        Hkv = 1 if self.select_scope == "layer" else Hkv   # rows that select
+        R = 1 if self.select_scope == "layer" else Hkv   # rows that select
         sizes = self.sizes
         extent = state.extent()
         counts, bounds, valid = self.selection_counts(extent)
@@ -402,37 +407,36 @@ class MPCache(PromptEvictionPolicy):
         dtype = jnp.int32
         exact = extent.static   # static counts: the shortcuts below keep the program minimal
 
+        def first_rows(k, n):   # public: the first k of n candidates
+            return jnp.broadcast_to(jnp.eye(n, dtype=dtype)[:k], (R, k, n))
+
         # Level 0: every cluster of the kept region is a candidate.
         k0 = counts[0]
         if exact and k0 == valid[0]:
-            chosen = jnp.broadcast_to(jnp.eye(total[0], dtype=dtype)[:k0], (Hkv, k0, total[0]))
+            chain = (first_rows(k0, total[0]),)
         else:
             forced = E.union(E.at(total[0], 0), E.at(total[0], valid[0] - 1))
             mask = P.topk_mask(level_scores[0](None), k0, valid=E.iota_lt(total[0], valid[0]),
                                forced=forced, method=self.topk_method, dtype=dtype,
                                k_max=bounds[0])
-            chosen = P.mask_onehot(mask, bounds[0])                        # [H_kv, k0, C0]
+            chain = (P.mask_onehot(mask, bounds[0]),)                      # [R, k0, C0]
 
         # Finer levels: candidates are the children of the clusters chosen one level up (rows
         # past the chosen count are zero: their children are never valid candidates).
         for i in range(1, len(sizes)):
             r = sizes[i - 1] // sizes[i]
-            prev = chosen.shape[1]
-            child = jnp.einsum("hac,ij->haicj", chosen, jnp.eye(r, dtype=dtype)).reshape(
-                Hkv, prev * r, total[i])
-            n_cand = prev * r
+            n_cand = chain[-1].shape[1] * r
             pad = r * valid[i - 1] - valid[i]        # empty children sit at the very end
             real = counts[i - 1] * r - pad           # candidates holding tokens
             if exact and counts[i] == real:
-                local = jnp.eye(n_cand, dtype=dtype)[: counts[i]]
-                chosen = jnp.einsum("kn,hnc->hkc", local, child)
+                chain += (first_rows(counts[i], n_cand),)
                 continue
             forced = E.union(E.at(n_cand, 0), E.at(n_cand, real - 1))
-            mask = P.topk_mask(level_scores[i](child), counts[i], valid=E.iota_lt(n_cand, real),
+            mask = P.topk_mask(level_scores[i](chain), counts[i], valid=E.iota_lt(n_cand, real),
                                forced=forced, method=self.topk_method, dtype=dtype,
                                k_max=bounds[i])
-            chosen = P.gather_rows(P.mask_onehot(mask, bounds[i]), child)   # [H_kv, k, C]
-        return chosen           # [H_kv, k, C], or [1, k, C] shared by the layer's heads
+            chain += (P.mask_onehot(mask, bounds[i]),)                     # [R, k_i, n_cand]
+        return chain
 
     def selection_counts(self, extent: E.Extent):
         """Per level: clusters selected (count), their static bound, and clusters holding
@@ -450,13 +454,13 @@ class MPCache(PromptEvictionPolicy):
         valid = [extent.count(holding(i), (self, "holding", i)) for i in levels]
         return counts, bounds, valid
 
-    def selection(self, layer, q, state: PrunedLayer, carry, scores_all=None) -> jax.Array:
-        """This layer's cluster one-hot [H_kv or 1, k, C]: its own selection, or the previous
-        selecting layer's (`carry`) under cross-layer sharing. scores_all: this step's
+    def selection(self, layer, q, state: PrunedLayer, carry, scores_all=None) -> tuple:
+        """This layer's selection chain (`select_chain`): its own, or the previous selecting
+        layer's (`carry`) under cross-layer sharing. scores_all: this step's
         attention scores [H_kv, G, S + N] ("exact" selection reads them)."""
         if self.selects(layer) or carry is None:
             scores = None if scores_all is None else scores_all[..., :state.k.shape[1]]
-            return self.select(q, state, scores)
+            return self.select_chain(q, state, scores)
         return carry
 
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
@@ -468,14 +472,18 @@ class MPCache(PromptEvictionPolicy):
         if self.similarity == "exact":   # one score matmul serves selection and attention
             scores_all = attention.grouped_scores(q, jnp.concatenate([state.k, new.k], axis=1))
         carry = self.selection(layer, q, state, carry, scores_all)
-        out = attend_selected(q, state.k, state.v, state.valid, new, carry, self.sizes[-1],
+        # Every head has the same valid slots unless static eviction keeps per-head sets.
+        per_head = self.static and self.static_scope == "head"
+        valid = state.valid if per_head else state.valid[:1]
+        out = attend_selected(q, state.k, state.v, valid, new, carry, self.sizes[-1],
                               normalize=self.softmax, scores_all=scores_all)
         return out, state.replace(new=new), carry
 
     def attended_slots(self, layer, q, state: PrunedLayer, carry) -> jax.Array:
         if not self.dynamic:
             return super().attended_slots(layer, q, state, carry)
-        clusters = jnp.sum(self.selection(layer, q, state, carry), axis=1)     # [H_kv, C]
+        chosen = P.chain_dense(self.selection(layer, q, state, carry))
+        clusters = jnp.sum(chosen, axis=1)                                     # [H_kv, C]
         slots = jnp.repeat(clusters, self.sizes[-1], axis=-1)
         slots = jnp.broadcast_to(slots, state.valid.shape)
         return slots * (state.valid > 0.5).astype(slots.dtype)

@@ -1,0 +1,188 @@
+"""Accuracy against MPC cost, for every policy (issue 12, item 5).
+
+Joins a fidelity run (`--experiment=accuracy` with the natural tasks: DIR/summary.csv, per
+task / policy / budget: score, agreement with `full`, KL) with a decode-cost run
+(`--experiment=mpc_cost --mpc_bench=decode`: DIR/results.jsonl, per policy / sequence length:
+bytes summed over the parties, messages, modelled LAN time, simulated compute) at one
+budget, and writes the table (CSV + markdown) and docs/figures/pareto.png: one panel per
+sequence length, communication against greedy agreement with `full`, the Pareto front
+(no other policy both cheaper and more faithful) drawn through it.
+
+    python -m experiments.pareto --fidelity_dir=results/fidelity_all --cost_dir=results/cost_all \
+        --budget=0.1 --output_dir=results/pareto --figure=docs/figures/pareto.png
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+import sys
+
+def read_fidelity(path: pathlib.Path, budget: float) -> dict[str, dict]:
+    """policy -> mean over tasks of agree / agree_prefix / kl / score-over-full at `budget`
+    (full at any budget: it is the reference), with the tasks it covers."""
+    rows = list(csv.DictReader(open(path)))
+    if not rows:
+        raise SystemExit(f"error: {path}: no rows")
+    per: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["policy"] != "full" and abs(float(r["budget"]) - budget) > 1e-9:
+            continue
+        if int(r.get("skipped") or 0) and not int(r["n"]):
+            continue
+        per.setdefault(r["policy"], []).append(r)
+    tasks = sorted({r["task"] for r in rows})
+    out = {}
+    for policy, rs in per.items():
+        def mean(key):
+            vals = [float(r[key]) for r in rs if r[key] not in ("", "nan")]
+            return sum(vals) / len(vals) if vals else float("nan")
+        rel = [float(r["score"]) / float(r["full_score"]) for r in rs
+               if float(r["full_score"] or 0) > 0]
+        out[policy] = {"agree": mean("agree"), "agree_prefix": mean("agree_prefix"),
+                       "kl": mean("kl"), "score_over_full": sum(rel) / len(rel) if rel else None,
+                       "tasks": sorted(r["task"] for r in rs), "n": sum(int(r["n"]) for r in rs)}
+        if out[policy]["tasks"] != tasks:
+            out[policy]["partial"] = True
+    return out
+
+
+def read_costs(path: pathlib.Path, protocol: str) -> dict[tuple[str, int], dict]:
+    """(policy, seq_len) -> the decoder-layer record of a decode-cost run."""
+    out = {}
+    for line in open(path):
+        r = json.loads(line)
+        if r.get("scope") == "decoder_layers" and r.get("protocol") == protocol:
+            out[(r["policy"], r["seq_len"])] = r
+    if not out:
+        raise SystemExit(f"error: {path}: no decoder-layer records for {protocol}")
+    return out
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point dominates (cost no higher and quality no lower,
+    one of them strictly), cheapest first. points: (cost, quality)."""
+    front = []
+    for i, (c, q) in enumerate(points):
+        dominated = any((c2 <= c and q2 >= q) and (c2 < c or q2 > q)
+                        for j, (c2, q2) in enumerate(points) if j != i)
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def join(fidelity: dict, costs: dict, seq_lens: list[int]) -> list[dict]:
+    rows = []
+    for T in seq_lens:
+        for policy, fid in sorted(fidelity.items()):
+            cost = costs.get((policy, T))
+            if cost is None:
+                continue
+            rows.append({"seq_len": T, "policy": policy, "agree": fid["agree"],
+                         "agree_prefix": fid["agree_prefix"], "kl": fid["kl"],
+                         "score_over_full": fid["score_over_full"],
+                         "comm_mb": cost["comm_bytes"] / 1e6, "messages": cost["messages"],
+                         "lan_s": cost["lan_latency_s"], "compute_s": cost["compute_s"],
+                         "lan_total_s": cost["lan_latency_s"] + cost["compute_s"]})
+        group = [r for r in rows if r["seq_len"] == T]
+        for i in pareto_front([(r["comm_mb"], r["agree"]) for r in group]):
+            group[i]["front_comm"] = True
+        for i in pareto_front([(r["lan_total_s"], r["agree"]) for r in group]):
+            group[i]["front_time"] = True
+    return rows
+
+
+def write(rows: list[dict], out: pathlib.Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    keys = ["seq_len", "policy", "agree", "agree_prefix", "kl", "score_over_full", "comm_mb",
+            "messages", "lan_s", "compute_s", "lan_total_s", "front_comm", "front_time"]
+    with open(out / "pareto.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in keys})
+    lines = ["| T | policy | agree | KL | score / full | comm MB | messages | LAN s | "
+             "LAN + compute s | front (comm / time) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    f2 = lambda v: "-" if v is None else f"{v:.2f}"
+    for r in sorted(rows, key=lambda r: (r["seq_len"], r["comm_mb"])):
+        front = "/".join(x for x, k in (("comm", "front_comm"), ("time", "front_time")) if r.get(k))
+        lines.append(f"| {r['seq_len']} | `{r['policy']}` | {r['agree']:.2f} | {r['kl']:.3f} | "
+                     f"{f2(r['score_over_full'])} | {r['comm_mb']:.2f} | {r['messages']} | "
+                     f"{r['lan_s']:.3f} | {r['lan_total_s']:.2f} | {front or '-'} |")
+    table = "\n".join(lines)
+    (out / "pareto.md").write_text(table + "\n")
+    return table
+
+
+def plot(rows: list[dict], path: pathlib.Path, budget: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    seq_lens = sorted({r["seq_len"] for r in rows})
+    fig, axes = plt.subplots(1, len(seq_lens), figsize=(6.5 * len(seq_lens), 5), squeeze=False)
+    for ax, T in zip(axes[0], seq_lens):
+        group = sorted((r for r in rows if r["seq_len"] == T), key=lambda r: r["comm_mb"])
+        for r in group:
+            mine = r["policy"].startswith("mpcache")
+            ax.scatter(r["comm_mb"], r["agree"], s=40, zorder=3,
+                       color="tab:red" if mine else ("black" if r["policy"] == "full" else "tab:blue"))
+            ax.annotate(r["policy"], (r["comm_mb"], r["agree"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        front = [r for r in group if r.get("front_comm")]
+        ax.plot([r["comm_mb"] for r in front], [r["agree"] for r in front], "--",
+                color="gray", zorder=2, label="Pareto front")
+        ax.set_xscale("log")
+        ax.set_xlabel("decode-step communication, MB (all parties, ABY3)")
+        ax.set_ylabel("greedy agreement with full")
+        ax.set_title(f"T = {T}, budget {budget:g}")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fidelity_dir", required=True,
+                    help="accuracy runs' output directories, comma-separated (same tasks and "
+                         "seed; a policy is taken from the first run that has it)")
+    ap.add_argument("--cost_dir", required=True, help="a decode-cost run's output directory")
+    ap.add_argument("--budget", type=float, default=0.1)
+    ap.add_argument("--protocol", default="ABY3")
+    ap.add_argument("--seq_lens", default="1024,2048")
+    ap.add_argument("--output_dir", default="results/pareto")
+    ap.add_argument("--figure", default="docs/figures/pareto.png")
+    args = ap.parse_args(argv)
+    fid_paths = [pathlib.Path(d) / "summary.csv" for d in args.fidelity_dir.split(",")]
+    cost_path = pathlib.Path(args.cost_dir) / "results.jsonl"
+    for p in fid_paths + [cost_path]:
+        if not p.is_file():
+            print(f"error: {p} does not exist (run the accuracy / cost command first)",
+                  file=sys.stderr)
+            return 2
+    fidelity = {}
+    for p in fid_paths:
+        for policy, row in read_fidelity(p, args.budget).items():
+            fidelity.setdefault(policy, row)
+    costs = read_costs(cost_path, args.protocol)
+    seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    rows = join(fidelity, costs, seq_lens)
+    if not rows:
+        print("error: no policy has both a fidelity row and a cost row", file=sys.stderr)
+        return 2
+    missing = sorted({p for p, _ in costs} - set(fidelity)) + sorted(
+        set(fidelity) - {p for p, _ in costs})
+    table = write(rows, pathlib.Path(args.output_dir))
+    plot(rows, pathlib.Path(args.figure), args.budget)
+    print(table)
+    if missing:
+        print(f"(in only one of the two runs, left out: {', '.join(missing)})")
+    print(f"wrote {args.output_dir}/pareto.csv, pareto.md and {args.figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
