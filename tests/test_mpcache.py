@@ -104,6 +104,18 @@ def test_model_scope_keeps_one_set_for_all_layers(tiny):
     assert first.shape[1] == 40 and positions[:4] == [0, 1, 2, 3] and positions[-4:] == [116, 117, 118, 119]
 
 
+def test_auto_scope_selects_per_head_only_on_models_with_few_kv_heads():
+    from mpcache_jax.policies.mpcache import AUTO_HEAD_MAX_KV_HEADS
+    policy = make_policy("mpcache", 0.1)
+    assert policy.select_scope == "auto"
+    assert policy.scope_for(3) == "head" and policy.scope_for(AUTO_HEAD_MAX_KV_HEADS) == "head"
+    assert policy.scope_for(32) == "layer"
+    assert policy.ranked_rows(2048, 32)[0] == 1 and policy.ranked_rows(2048, 3)[0] == 3
+    per_head_static = make_policy("mpcache", 0.1, static=True, static_scope="head")
+    assert per_head_static.scope_for(32) == "head"
+    assert make_policy("mpcache", 0.1, select_scope="layer").scope_for(3) == "layer"
+
+
 def test_cross_layer_sharing_schedule():
     policy = MPCache(share_group=2, share_from=2)
     assert [policy.selects(l) for l in range(7)] == [True, True, True, False, True, False, True]
@@ -133,7 +145,7 @@ def test_shared_layers_reuse_selection(tiny):
     (dict(budget=0.0), "budget"),
     (dict(budget=6), "always-selected"),
     (dict(select_scope="group"), "select_scope"),
-    (dict(static=True, static_scope="head"), "select per head too"),
+    (dict(static=True, static_scope="head", select_scope="layer"), "select per head too"),
     (dict(static_keep=2.0), "static_keep"),
     (dict(similarity="cosine"), "similarity"),
     (dict(static_scope="global"), "static_scope"),
