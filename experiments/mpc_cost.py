@@ -541,24 +541,22 @@ def bench_matmul(cfg: CostConfig, harness: Harness):
     """Whether a secret matmul's time follows its multiply-accumulates or its output size."""
     rng = np.random.default_rng(cfg.seed)
     for protocol, mpc_cfg, backend in harness.backends():
+        real = lambda shape: rng.normal(size=shape).astype(np.float32)
+        bits = lambda shape: rng.integers(0, 2, shape).astype(np.int32)
         for name, a_shape, b_shape, kind in MATMUL_CASES:
             if kind == "float":
-                args = (rng.normal(size=a_shape).astype(np.float32),
-                        rng.normal(size=b_shape).astype(np.float32))
-                fn = jnp.matmul
-            else:
-                args = (rng.integers(0, 2, a_shape).astype(np.int32),
-                        rng.integers(0, 2, b_shape).astype(np.int32) if kind == "int"
-                        else rng.normal(size=b_shape).astype(np.float32))
-                fn = jnp.matmul if kind == "int" else P.gather_rows
-                if kind == "gather_t":   # x [n, D] float times a one-hot [n, C] -> [D, C]^T
-                    args = (rng.normal(size=a_shape).astype(np.float32),
-                            rng.integers(0, 2, b_shape).astype(np.int32))
-                    fn = lambda x, onehot: jnp.matmul(x, onehot.astype(jnp.float32))
+                args, fn = (real(a_shape), real(b_shape)), jnp.matmul
+            elif kind == "int":
+                args, fn = (bits(a_shape), bits(b_shape)), jnp.matmul
+            elif kind == "gather":      # integer one-hot x fixed point
+                args, fn = (bits(a_shape), real(b_shape)), P.gather_rows
+            else:                       # "gather_t": fixed point x a one-hot, transposed
+                args = (real(a_shape), bits(b_shape))
+                fn = lambda x, onehot: jnp.matmul(x, onehot.astype(jnp.float32))
             prog = backend.compile(fn, args, (mpc.SECRET, mpc.SECRET))
-            runs = [backend.run(prog, *(backend.share(a, mpc.SECRET) for a in args))
-                    for _ in range(REPEATS_MATMUL)]
-            _, cost, wall = sorted(runs, key=lambda r: r[2])[REPEATS_MATMUL // 2]   # median
+            cost, wall, _ = median_run(
+                lambda: backend.run(prog, *(backend.share(a, mpc.SECRET) for a in args))[1:],
+                REPEATS_MATMUL)
             harness.record("matmul", protocol, mpc_cfg, cost, wall, policy=name,
                            seq_len=a_shape[1], model=f"{a_shape} x {b_shape}", extra={
                                "macs": a_shape[0] * a_shape[1] * b_shape[1],

@@ -8,8 +8,9 @@ budget, and writes the table (CSV + markdown) and docs/figures/pareto.png: one p
 sequence length, communication against greedy agreement with `full`, the Pareto front
 (no other policy both cheaper and more faithful) drawn through it.
 
-    python -m experiments.pareto --fidelity_dir=results/fidelity_all --cost_dir=results/cost_all \
-        --budget=0.1 --output_dir=results/pareto --figure=docs/figures/pareto.png
+    python -m experiments.pareto --fidelity_dir=results/fidelity_d,results/fidelity_pareto \
+        --cost_dir=results/mpc_pareto --budget=0.1 --output_dir=results/pareto \
+        --figure=docs/figures/pareto.png
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ import json
 import pathlib
 import sys
 
+
 def read_fidelity(path: pathlib.Path, budget: float) -> dict[str, dict]:
     """policy -> mean over tasks of agree / agree_prefix / kl / score-over-full at `budget`
-    (full at any budget: it is the reference), with the tasks it covers."""
+    (full at any budget: it is the reference)."""
     rows = list(csv.DictReader(open(path)))
     if not rows:
         raise SystemExit(f"error: {path}: no rows")
@@ -32,7 +34,6 @@ def read_fidelity(path: pathlib.Path, budget: float) -> dict[str, dict]:
         if int(r.get("skipped") or 0) and not int(r["n"]):
             continue
         per.setdefault(r["policy"], []).append(r)
-    tasks = sorted({r["task"] for r in rows})
     out = {}
     for policy, rs in per.items():
         def mean(key):
@@ -41,10 +42,7 @@ def read_fidelity(path: pathlib.Path, budget: float) -> dict[str, dict]:
         rel = [float(r["score"]) / float(r["full_score"]) for r in rs
                if float(r["full_score"] or 0) > 0]
         out[policy] = {"agree": mean("agree"), "agree_prefix": mean("agree_prefix"),
-                       "kl": mean("kl"), "score_over_full": sum(rel) / len(rel) if rel else None,
-                       "tasks": sorted(r["task"] for r in rs), "n": sum(int(r["n"]) for r in rs)}
-        if out[policy]["tasks"] != tasks:
-            out[policy]["partial"] = True
+                       "kl": mean("kl"), "score_over_full": sum(rel) / len(rel) if rel else None}
     return out
 
 

@@ -197,8 +197,8 @@ def gather_clusters(onehot: jax.Array, x: jax.Array, cluster_size: int) -> jax.A
 # A hierarchical selection kept as its levels' one-hots ("chain"), coarse to fine:
 # ([R, k_0, N_0], [R, k_1, k_0 * r_1], ..., [R, k_L, k_{L-1} * r_L]). Level i picks k_i of the
 # r_i children of the k_{i-1} rows picked above, so the composed one-hot is [R, k_L, N_L] with
-# N_L = N_0 * r_1 * ... * r_L. Under MPC a secret one-hot product costs time per output entry:
-# picking through the chain never builds the composed [k_L, N_L] one-hot (nor the [k * r, N]
+# N_L = N_0 * r_1 * ... * r_L. Under SPU a secret product with a multi-row left operand takes
+# time per multiply-accumulate (`--mpc_bench=matmul`): picking through the chain never builds the composed [k_L, N_L] one-hot (nor the [k * r, N]
 # children of every level), and a coarse factor moves whole groups of rows at once.
 # A single one-hot array is a chain of one level.
 

@@ -154,16 +154,22 @@ def test_cli_refuses_flags_it_would_ignore_or_that_conflict(argv, message, tmp_p
     assert not (tmp_path / "out" / "results.jsonl").exists()
 
 
-def test_every_shipped_flagfile_uses_only_flags_its_experiment_reads():
+def _shipped_flagfiles():
+    """(path, {flag: value or None}) for every experiments/flags/*.flags."""
     import re
-    from experiments import flags_def
-    checked = 0
     for path in sorted((REPO_ROOT / "experiments" / "flags").glob("*.flags")):
         given = {}
         for line in path.read_text().splitlines():
             m = re.match(r"--([a-z_]+)(?:=(.*))?$", line.strip())
             if m:
                 given[m.group(1)] = m.group(2)
+        yield path, given
+
+
+def test_every_shipped_flagfile_uses_only_flags_its_experiment_reads():
+    from experiments import flags_def
+    checked = 0
+    for path, given in _shipped_flagfiles():
         if "party" in given:      # experiments.party's own flags
             continue
         experiment = given.get("experiment", "generate")
@@ -178,14 +184,11 @@ def test_every_shipped_flagfile_uses_only_flags_its_experiment_reads():
 def test_every_shipped_flagfile_names_registered_policies_that_construct():
     """A flag file naming a policy (or a --variants option) the registry no longer has fails
     here, not an hour into a run."""
-    import re
     import types
     from experiments.accuracy import parse_budget, parse_variants
     from mpcache_jax.policies import make_policy
     checked = 0
-    for path in sorted((REPO_ROOT / "experiments" / "flags").glob("*.flags")):
-        given = dict(re.match(r"--([a-z_]+)=(.*)$", line.strip()).groups()
-                     for line in path.read_text().splitlines() if re.match(r"--[a-z_]+=", line))
+    for path, given in _shipped_flagfiles():
         if not given.get("policies"):
             continue
         flags = types.SimpleNamespace(policies=given["policies"].split(","),
