@@ -73,7 +73,7 @@ flags.DEFINE_list("seq_lens", ["512", "1024", "2048"], "Cache lengths (prompt to
 flags.DEFINE_string("mpc_bench", "decode",
                     "A benchmark registered in experiments.mpc_cost.BENCHMARKS (its docstring "
                     "lists them): decode (per-token decode cost per policy), gather (Table 2), "
-                    "gather_dtype, repeat_noise, topk (lax vs rank), norm (one vs two rsqrt), "
+                    "gather_dtype, repeat_noise, topk (lax vs rank), norm (one vs two rsqrt), rounds, "
                     "matmul (one secret matmul per shape), generate (secure greedy generation of "
                     "--prompt vs plaintext).")
 flags.DEFINE_enum("topk_method", "auto", ["auto", "lax", "rank"],

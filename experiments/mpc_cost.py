@@ -17,6 +17,7 @@ appended to DIR/results.jsonl.partial, renamed to results.jsonl when the run has
   repeat_noise  the same program run again reports the same bytes summed over the parties.
   topk          lax.top_k vs pairwise-rank top-k on [rows, N] secret scores (Appendix B.5).
   norm          one RMSNorm scale: the shipped one-rsqrt form vs two rsqrts.
+  rounds        the softmax row max and q . K in fewer rounds (alternatives, not shipped).
   matmul        one secret matmul per shape and operand type (time vs output size vs MACs).
   generate      secure greedy generation of --prompt vs the plaintext run (per-step costs).
 Each run prints the ratios measured in that run and writes DIR/results.jsonl.
@@ -24,6 +25,7 @@ Each run prints the ratios measured in that run and writes DIR/results.jsonl.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 import time
@@ -598,6 +600,73 @@ def bench_norm(cfg: CostConfig, harness: Harness):
         print(f"  {protocol}: two/one rsqrt messages {a['messages'] / max(b['messages'], 1):.2f}x,"
               f" comm {a['comm_bytes'] / max(b['comm_bytes'], 1):.2f}x; relative error "
               f"{b['rel_error']:.1e} (one) / {a['rel_error']:.1e} (two)")
+
+
+# ----- rounds every policy shares: alternatives measured and not shipped -----------------------------
+def tournament_max(x: jax.Array, fan_in: int = 4) -> jax.Array:
+    """Max over the last axis in ceil(log_fan_in(N)) levels instead of log2(N): every level
+    compares each pair of a group once (all pairs at the same time) and keeps the entry that
+    wins all of its comparisons (ties go to the lower index). Kept here only as the
+    benchmark's alternative."""
+    while x.shape[-1] > 1:
+        f = min(fan_in, x.shape[-1])
+        pad = -x.shape[-1] % f
+        if pad:
+            x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (pad,), -1e4, x.dtype)], axis=-1)
+        g = x.reshape(x.shape[:-1] + (-1, f))
+        first, second = np.triu_indices(f, 1)
+        first_wins = g[..., first] >= g[..., second]              # one comparison per pair
+        wins = []
+        for i in range(f):
+            won = [first_wins[..., p] if first[p] == i else ~first_wins[..., p]
+                   for p in range(len(first)) if i in (first[p], second[p])]
+            wins.append(functools.reduce(jnp.logical_and, won))
+        x = jnp.sum(jnp.where(jnp.stack(wins, axis=-1), g, 0.0), axis=-1)
+    return x[..., 0]
+
+
+def integer_query_scores(q: jax.Array, k: jax.Array, bits: int = 12) -> jax.Array:
+    """grouped_scores with the scaled query turned into integers (x 2^bits, one conversion of
+    [H, d]) so that the per-head products are integer x fixed point: no truncation per head,
+    one rescale of the [H_kv, G, T] scores. Kept here only as the benchmark's alternative."""
+    Hkv, d = k.shape[0], q.shape[-1]
+    # x 3 after the conversion: SPU leaves a converted integer in boolean shares, and every
+    # per-head slice would convert it back; an integer product re-shares it arithmetically.
+    ints = (q * (2.0 ** bits / (3.0 * np.sqrt(d)))).astype(jnp.int32) * 3
+    ints = ints.reshape(Hkv, -1, d)
+    out = jax.lax.dot_general(ints, k, (((2,), (2,)), ((0,), (0,))),
+                              preferred_element_type=jnp.float32)
+    return out * 2.0 ** -bits
+
+
+@benchmark("rounds")
+def bench_rounds(cfg: CostConfig, harness: Harness):
+    """Issue 12 item 2: two ways to cut the rounds of the attention every policy runs, on one
+    layer of the model's geometry at each --seq_lens: the softmax row max as SPU's reduce
+    (log2 T levels) vs a fan-in-4 tournament, and q . K with a fixed-point query (SPU loops
+    over the KV heads, a truncation per head) vs an integer query (mixed products)."""
+    from mpcache_jax.attention import grouped_scores
+    m = registry.get_config(cfg.model)
+    rng = np.random.default_rng(cfg.seed)
+    H, Hkv, d = m.num_heads, m.num_kv_heads, m.head_dim
+    for protocol, mpc_cfg, backend in harness.backends():
+        for T in cfg.seq_lens:
+            q = rng.normal(size=(H, d)).astype(np.float32)
+            k = rng.normal(size=(Hkv, T, d)).astype(np.float32)
+            s = (4 * rng.normal(size=(Hkv, H // Hkv, T))).astype(np.float32)
+            cases = (("row_max_reduce", lambda x: jnp.max(x, axis=-1), (s,), s.max(-1)),
+                     ("row_max_tournament4", tournament_max, (s,), s.max(-1)),
+                     ("scores_fixed_query", grouped_scores, (q, k), None),
+                     ("scores_integer_query", integer_query_scores, (q, k), None))
+            exact = np.einsum("kgd,ksd->kgs", q.reshape(Hkv, H // Hkv, d), k) / np.sqrt(d)
+            for name, fn, args, want in cases:
+                prog = backend.compile(fn, args, (mpc.SECRET,) * len(args))
+                out, cost, wall = backend.run(prog, *(backend.share(a, mpc.SECRET) for a in args))
+                got = np.asarray(backend.reveal(out))
+                want = exact if want is None else want
+                harness.record("rounds", protocol, mpc_cfg, cost, wall, policy=name, seq_len=T,
+                               model=cfg.model, extra={
+                                   "max_abs_error": float(np.abs(got - want).max())})
 
 
 # ----- secure generation (real model) ----------------------------------------------------------------

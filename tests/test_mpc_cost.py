@@ -82,7 +82,7 @@ def test_an_unknown_benchmark_is_rejected_naming_the_registered_ones(tmp_path):
     assert "--mpc_bench='nope' is not a benchmark" in proc.stderr
     assert all(name in proc.stderr for name in BENCHMARKS)
     assert {"decode", "gather", "gather_dtype", "repeat_noise", "topk", "norm", "matmul",
-            "generate"} <= set(BENCHMARKS)
+            "generate", "rounds"} <= set(BENCHMARKS)
 
 
 def test_typed_config_validates_before_any_work():
@@ -130,3 +130,26 @@ def test_median_run_picks_the_median_compute_and_refuses_changing_costs():
     runs = iter([((10, 2), 5.0), ((11, 2), 1.0)])
     with pytest.raises(RuntimeError, match="different costs"):
         median_run(lambda: next(runs), 2, fields)
+
+
+def test_round_cutting_alternatives_compute_what_they_replace():
+    """--mpc_bench=rounds compares SPU's row max and q . K with two lower-round forms; both must
+    compute the same thing (plaintext: ties, padding to the fan-in, GQA grouping)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from experiments.mpc_cost import integer_query_scores, tournament_max
+    from mpcache_jax.attention import grouped_scores
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 5, 16, 37, 64):                         # powers of 4 and not
+        x = rng.normal(size=(3, 2, n)).astype(np.float32)
+        x[0, 0, :] = 1.5                                    # all tied
+        got = np.asarray(tournament_max(jnp.asarray(x)))
+        assert got.shape == (3, 2)
+        np.testing.assert_array_equal(got, x.max(-1))
+    q = rng.normal(size=(6, 16)).astype(np.float32)         # 6 query heads on 2 KV heads
+    k = rng.normal(size=(2, 40, 16)).astype(np.float32)
+    exact = np.asarray(grouped_scores(jnp.asarray(q), jnp.asarray(k)))
+    approx = np.asarray(integer_query_scores(jnp.asarray(q), jnp.asarray(k)))
+    assert approx.shape == exact.shape == (2, 3, 40)
+    err = np.abs(approx - exact).max()
+    assert 0 < err < 0.05                                   # quantized, not exact, not wrong

@@ -165,12 +165,18 @@ class MPCache(PromptEvictionPolicy):
     def sizes(self) -> list[int]:
         return [lv[0] for lv in self.levels]
 
+    @property
+    def static_per_head(self) -> bool:
+        """Whether static eviction keeps a different slot set per KV head (else every head of a
+        layer has the same valid slots)."""
+        return self.static and self.static_scope == "head"
+
     def scope_for(self, num_kv_heads: int) -> str:
         """"layer" or "head": the selection scope on a model with this many KV heads (static
         eviction per KV head always selects per head)."""
         if self.select_scope != "auto":
             return self.select_scope
-        if (self.static and self.static_scope == "head") or num_kv_heads <= AUTO_HEAD_MAX_KV_HEADS:
+        if self.static_per_head or num_kv_heads <= AUTO_HEAD_MAX_KV_HEADS:
             return "head"
         return "layer"
 
@@ -489,9 +495,7 @@ class MPCache(PromptEvictionPolicy):
         if self.similarity == "exact":   # one score matmul serves selection and attention
             scores_all = attention.grouped_scores(q, jnp.concatenate([state.k, new.k], axis=1))
         carry = self.selection(layer, q, state, carry, scores_all)
-        # Every head has the same valid slots unless static eviction keeps per-head sets.
-        per_head = self.static and self.static_scope == "head"
-        valid = state.valid if per_head else state.valid[:1]
+        valid = state.valid if self.static_per_head else state.valid[:1]
         out = attend_selected(q, state.k, state.v, valid, new, carry, self.sizes[-1],
                               normalize=self.softmax, scores_all=scores_all)
         return out, state.replace(new=new), carry
