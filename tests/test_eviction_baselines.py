@@ -193,7 +193,7 @@ def test_prefixkv_binary_search_hits_global_budget_within_one_percent(budget):
     assert len(set(counts)) > 1                           # budgets really differ per layer
 
 
-def test_prefixkv_applies_per_layer_counts_and_keeps_start_and_last_tokens():
+def test_prefixkv_applies_per_layer_counts_and_keeps_start_and_recent_tokens():
     rng = np.random.RandomState(8)
     T, d = 40, 4
     o = np.linspace(0, 1, 101)
@@ -205,7 +205,9 @@ def test_prefixkv_applies_per_layer_counts_and_keeps_start_and_last_tokens():
     cache = policy.compress(layers, PrefillAux(queries, T), 4)
     for layer, count in zip(cache, counts):
         assert layer.k.shape[1] == layer.kept == count
-        assert {0, 1, 2, 3, T - 1} <= kept_positions(layer)
+        recent = min(policy.num_recent, count - 4)       # what the budget leaves after 4 sinks
+        assert {0, 1, 2, 3} | set(range(T - recent, T)) <= kept_positions(layer)
+    assert kept_positions(cache[1]) == {0, 1, 2, 3} | set(range(T - counts[1] + 4, T))
 
 
 def test_mpcache_prefixkv_uses_mpcache_forced_tokens_with_per_layer_counts():
@@ -252,6 +254,7 @@ def test_pyramidkv_layer_counts_form_a_pyramid_under_the_budget():
     (SnapKV, dict(window=0), "window"),
     (PyramidKV, dict(beta=0.5), "beta"),
     (PrefixKV, dict(curves=((0.0, 0.7, 0.5),)), "rise"),
+    (PrefixKV, dict(num_recent=0), "num_recent"),
 ])
 def test_config_validation(cls, bad, match):
     with pytest.raises(ValueError, match=match):
