@@ -7,13 +7,18 @@
 #   RATE  tbf rate per party link, e.g. 3016mbit (the paper's LAN, 377 MB/s), or none
 #   BURST tbf burst (default 16kb: with 256kb, messages of ~40 kB pass unshaped after compute
 #         gaps; 16kb matched the modelled bandwidth time within 2% in the 2-party runs)
-# Job: llama2-d1024 geometry (random weights; MODEL=NAME for another, e.g. llama-tiny), 2 layers, a SEQ_LEN-token random prompt, the
-# policy at 10%, 4 new tokens (3 decode steps). Plain TCP inside private namespaces
-# ("insecure": true; no traffic leaves this machine). Records: OUTDIR/results.jsonl.
+# Job: llama2-d1024 geometry (random weights; MODEL=NAME for another, e.g. llama-tiny), 2 layers,
+# a SEQ_LEN-token random prompt, the policy at 10%, 4 new tokens (3 decode steps). Plain TCP
+# inside private namespaces ("insecure": true; no traffic leaves this machine). Records:
+# OUTDIR/results.jsonl. PREFILL=clear: the model owner prefills the (public, random) prompt in
+# plaintext and shares the cache, so only the decode steps run securely (same programs, same
+# cost; without it three parties' secure 1024-token mpcache prefills ran out of a 24 GB host's
+# memory, and 2048 tokens need about 4x that).
 # netem is not available in every kernel: the round-trip part of the model is not shaped.
 set -e
 RATE=$1; OUT=$2; POLICY=$3; T=$4; BURST=${5:-16kb}; MODEL=${MODEL:-llama2-d1024}
-if [ -z "$T" ]; then sed -n 2,14p "$0"; exit 2; fi
+PREFILL=${PREFILL:-secure}
+if [ -z "$T" ]; then sed -n 2,17p "$0"; exit 2; fi
 cd "$(dirname "$0")/.."
 NS=(m3a m3b m3c)
 cleanup() {
@@ -39,15 +44,16 @@ for i in 0 1 2; do
   fi
 done
 mkdir -p "$OUT"
-.venv/bin/python - "$OUT" "$POLICY" "$T" "$RATE" "$MODEL" <<'PY'
+.venv/bin/python - "$OUT" "$POLICY" "$T" "$RATE" "$MODEL" "$PREFILL" <<'PY'
 import json, sys
-out, policy, T, rate, model = sys.argv[1:]
+out, policy, T, rate, model, prefill = sys.argv[1:]
 raw = json.load(open("experiments/nodes/3pc_aby3.json"))
 raw["id"] = f"netns.3pc.aby3.{rate}"
 raw["nodes"] = {f"node:{i}": f"10.67.0.{i + 1}:{61340 + i}" for i in range(3)}
 raw["devices"]["SPU"]["config"]["link"]["insecure"] = True
 raw["job"].update({"model": model, "num_layers": 2, "policy": policy, "budget": 0.1,
-                   "seq_len": int(T), "max_new_tokens": 4, "timeout_s": 3600})
+                   "seq_len": int(T), "max_new_tokens": 4, "timeout_s": 3600,
+                   "prefill": prefill})
 json.dump(raw, open(f"{out}/node_config.json", "w"), indent=1)
 PY
 pids=()

@@ -231,6 +231,8 @@ CASES = {
                         "link.insecure='yes' must be true or false"),
     "string prompt_ids": (lambda r: r["job"].update(prompt_ids=[str(i) for i in range(32)]),
                           "job.prompt_ids must be a list of integer token ids, got '0'"),
+    "unknown prefill": (lambda r: r["job"].update(prefill="plain"),
+                        "job.prefill='plain' is unknown; use \"secure\""),
     "string seq_len": (lambda r: r["job"].update(seq_len="32"),
                        "job.seq_len='32' must be an integer"),
     "seq_len beyond the context": (lambda r: r["job"].update(seq_len=10**9),
@@ -297,6 +299,78 @@ def test_memory_estimate_follows_its_formula():
     assert config_lib.estimate_party_memory(job, config.mpc)[0] == want
     semi = parse_node_config(node_config(2, "SEMI2K"))
     assert config_lib.estimate_party_memory(job, semi.mpc)[0] - 2**30 == (want - 2**30) // 2
+
+
+def test_clear_prefill_memory_estimate_drops_the_secure_prefill():
+    """prefill="clear": 1 GiB + b * (P + cache + 4*max(H*(T+N), F)) + 4 B * (P + T*V +
+    4*max(H*T*(T+N), T*F)); below the secure prefill's estimate, and at 2048 tokens of
+    llama2-d1024 under the limit that refuses the secure prefill on a 24 GB 3-party host."""
+    raw = node_config(3, "ABY3")
+    raw["job"]["prefill"] = "clear"
+    config = parse_node_config(raw)
+    job = config.job
+    cfg = job_lib.build(job)[0].cfg
+    params = sum(int(np.prod(leaf.shape)) for leaf in
+                 __import__("jax").tree_util.tree_leaves(job_lib.weight_shapes(job)))
+    T, N = 32, 2
+    cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (T + N)
+    want = (2**30 + 16 * (params + cache + 4 * max(cfg.num_heads * (T + N),
+                                                   cfg.intermediate_size))
+            + 4 * (params + T * cfg.vocab_size
+                   + 4 * max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)))
+    assert config_lib.estimate_party_memory(job, config.mpc)[0] == want
+    secure = parse_node_config(node_config(3, "ABY3"))
+    assert want < config_lib.estimate_party_memory(secure.job, secure.mpc)[0]
+    for prefill, fits in (("secure", False), ("clear", True)):
+        big = JobSpec(model="llama2-d1024", num_layers=2, policy="full", seq_len=2048,
+                      max_new_tokens=4, prefill=prefill)
+        need = config_lib.estimate_party_memory(big, config.mpc)[0]
+        assert (need < 0.8 * 24 * 2**30 / 3) == fits, (prefill, need / 2**30)
+
+
+def test_clear_prefill_refuses_a_private_prompt_file(tmp_path):
+    raw = node_config(3, "ABY3")
+    raw["job"]["prefill"] = "clear"
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("a private question")
+    config = load_node_config(write(tmp_path, raw), party="node:1")
+    with pytest.raises(ValueError, match="makes the prompt public"):
+        __import__("mpcache_jax.distributed.party", fromlist=["run_party"]).run_party(
+            config, "node:1", tmp_path / "out", prompt_file=str(prompt))
+
+
+def test_clear_prefill_then_secure_decode_steps_cost_what_they_cost_after_a_secure_prefill(
+        tmp_path):
+    """Three real parties: with job.prefill="clear" the model owner prefills in plaintext and
+    shares the cache; the decode steps are the same programs, so they give the same tokens as
+    the secure prefill's run and plaintext, and the same bytes and messages per step."""
+    runs = {}
+    for prefill in ("secure", "clear"):
+        raw = node_config(3, "ABY3")
+        raw["job"].update(max_new_tokens=3, prefill=prefill)
+        runs[prefill] = run_loopback(write(tmp_path, raw, f"{prefill}.json"),
+                                     tmp_path / prefill, use_free_ports=True)
+    xla_tokens, _ = reference(node_config(3, "ABY3")["job"] | {"max_new_tokens": 3})
+    for prefill, records in runs.items():
+        assert records[-1]["tokens"] == xla_tokens.tolist(), prefill
+        assert records[-1]["prefill"] == prefill
+    secure_steps, clear_steps = runs["secure"][:-1], runs["clear"][:-1]
+    assert [s["phase"] for s in secure_steps] == ["prefill", "decode", "decode"]
+    assert [s["phase"] for s in clear_steps] == ["decode", "decode"]   # no MPC cost to record
+    for a, b in zip(secure_steps[1:], clear_steps):
+        assert a["position"] == b["position"]
+        assert a["messages"] == b["messages"] > 0
+        assert abs(a["comm_bytes"] - b["comm_bytes"]) < 1e-3 * a["comm_bytes"]
+
+
+def test_a_worker_killed_by_sigkill_is_reported_as_out_of_memory(tmp_path, capsys):
+    from mpcache_jax.distributed.supervise import supervise
+    config = parse_node_config(node_config(3, "ABY3"))
+    code = supervise(config, "node:0", str(tmp_path), [
+        sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "killed by SIGKILL" in err and "out-of-memory" in err and "GiB per party" in err
 
 
 def test_insecure_plain_tcp_is_allowed_explicitly_and_warns(capsys):

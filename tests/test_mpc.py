@@ -196,6 +196,27 @@ def test_secure_generation_prefill_eviction_and_decode_inside_mpc(tiny):
     assert prefill.send_bytes > decode.send_bytes > 0
 
 
+def test_clear_prefill_shares_the_plaintext_prefill_and_decodes_the_same(tiny):
+    """prefill="clear" (decode benchmarks): the tokens of the secure prefill's run, decode
+    steps of the same cost, the prefill recorded without an MPC cost; without the prompt on
+    a party it is refused."""
+    model, params, prompt = tiny
+    backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"))
+    session = mpc.SecureSession(backend, model, params, tiny_policy("mpcache"))
+    secure = session.generate(prompt[:32], max_new_tokens=3)
+    clear = session.generate(prompt[:32], max_new_tokens=3, prefill="clear")
+    assert clear.tokens == secure.tokens
+    assert [s.phase for s in clear.steps] == ["prefill_clear", "decode", "decode"]
+    assert clear.steps[0].cost is None
+    for a, b in zip(secure.steps[1:], clear.steps[1:]):
+        assert a.cost.send_bytes == b.cost.send_bytes > 0
+        assert a.cost.send_actions == b.cost.send_actions
+    with pytest.raises(ValueError, match="needs the public prompt_ids"):
+        session.generate(None, max_new_tokens=2, prompt_len=32, prefill="clear")
+    with pytest.raises(ValueError, match="prefill='plain'"):
+        session.generate(prompt[:32], max_new_tokens=2, prefill="plain")
+
+
 # ----- nothing secret is revealed inside the programs ---------------------------------------------------
 def test_compiled_programs_reveal_nothing_and_positions_are_public(tiny):
     model, params, prompt = tiny

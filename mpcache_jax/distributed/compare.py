@@ -31,7 +31,7 @@ def simulate(node_config: str, prompt_file: str | None = None, profile: bool = T
     backend = make_backend("spu_sim", config.mpc, profile=profile)
     session = SecureSession(backend, model, job_lib.load_weights(job), policy)
     result = session.generate(prompt_ids, job.max_new_tokens, stop_ids=stop_ids,
-                              reveal_logits=job.reveal_logits)
+                              reveal_logits=job.reveal_logits, prefill=job.prefill)
     if not profile:
         return [{"backend": "spu_sim", "summary": True, "tokens": result.tokens,
                  "logits": result.logits}]
@@ -39,7 +39,7 @@ def simulate(node_config: str, prompt_file: str | None = None, profile: bool = T
                                  budget=job.budget, model=job.model, num_layers=job.num_layers,
                                  protocol=config.protocol,
                                  parties=config.world_size, prompt_len=len(prompt_ids),
-                                 node_config=config.id)
+                                 node_config=config.id, prefill=job.prefill)
     if result.logits is not None:
         records[-1]["logits"] = result.logits
     return records

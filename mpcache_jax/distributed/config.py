@@ -156,7 +156,11 @@ class JobSpec:
     weights for random-weight models. `reveal_logits` also opens the logits of each generated
     token to the prompt owner (tests; leaks more than tokens). `memory_limit_gb`: the most one
     party may need by `estimate_party_memory` (default: 80% of this machine's memory divided
-    among the parties that run on it).
+    among the parties that run on it). `prefill`: "secure" (the private run), or "clear" for
+    decode-step benchmarks that neither keep the prompt private nor need a secure prefill's
+    memory: the prompt is public (`prompt_ids` or the random one; a prompt file is refused),
+    the model owner prefills it in plaintext and secret-shares the cache, and the decode steps
+    run securely as always (their cost does not depend on the values).
     """
 
     model: str = "llama-tiny"
@@ -173,6 +177,7 @@ class JobSpec:
     reveal_logits: bool = False
     timeout_s: float = 600.0
     memory_limit_gb: float | None = None
+    prefill: str = "secure"
 
     def __post_init__(self):
         from models.registry import MODEL_NAMES
@@ -191,7 +196,12 @@ class JobSpec:
             "reveal_logits": ("true or false", lambda v: isinstance(v, bool)),
             "timeout_s": ("a number of seconds", _is_number),
             "memory_limit_gb": ("a number of GB or null", optional(_is_number)),
+            "prefill": ("a string", lambda v: isinstance(v, str)),
         }, "job")
+        from mpcache_jax.mpc.secure import PREFILL_MODES
+        if self.prefill not in PREFILL_MODES:
+            raise NodeConfigError(f"job.prefill={self.prefill!r} is unknown; use \"secure\" "
+                                  "(private) or \"clear\" (decode benchmarks, public prompt)")
         if self.prompt_ids is not None:
             if not isinstance(self.prompt_ids, (list, tuple)):
                 raise NodeConfigError(f"job.prompt_ids must be a list of integer token ids, got "
@@ -583,6 +593,8 @@ def estimate_party_memory(job: JobSpec, mpc: MPCConfig, prompt_len: int | None =
     """Peak memory one party needs for `job`, estimated -> (bytes, the formula with numbers).
 
         bytes = 1 GiB + b * (P + 2*T*V + 2*L*Hkv*d*(T+N) + 4*max(H*T*(T+N), T*F))
+        job.prefill="clear": 1 GiB + b * (P + 2*L*Hkv*d*(T+N) + 4*max(H*(T+N), F))
+                             + 4 B * (P + T*V + 4*max(H*T*(T+N), T*F))
 
     b: bytes of one party's share of one element (field bytes x shares per party: ABY3 2,
     SEMI2K/CHEETAH 1); P: weights (secret-shared once, resident all session); T*V: the
@@ -590,8 +602,9 @@ def estimate_party_memory(job: JobSpec, mpc: MPCConfig, prompt_len: int | None =
     2*L*Hkv*d*(T+N): the KV cache of L layers (resident between steps); H*T*(T+N): one layer's
     prefill attention scores, T*F its MLP activations, x4 for an operation's temporaries;
     1 GiB: the Python/JAX/SPU process. T = seq_len (or the announced prompt length), N =
-    max_new_tokens. An order-of-magnitude bound meant to refuse impossible jobs before they
-    start, not a measurement."""
+    max_new_tokens. With a clear prefill the secure part is the decode step (one query row)
+    and the prefill runs in float32 plaintext (the last term). An order-of-magnitude bound
+    meant to refuse impossible jobs before they start, not a measurement."""
     from models import registry
     from models.model import Model
     import jax
@@ -602,11 +615,17 @@ def estimate_party_memory(job: JobSpec, mpc: MPCConfig, prompt_len: int | None =
     N = job.max_new_tokens
     b = FIELD_BYTES.get(mpc.field, 8) * SHARES_PER_PARTY.get(mpc.protocol, 2)
     cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (T + N)
-    largest = max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)
-    elements = params + 2 * T * cfg.vocab_size + cache + TEMPORARY_FACTOR * largest
+    prefill_largest = max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)
+    if job.prefill == "clear":
+        largest = max(cfg.num_heads * (T + N), cfg.intermediate_size)
+        clear = params + T * cfg.vocab_size + TEMPORARY_FACTOR * prefill_largest
+        total = RUNTIME_BASE_BYTES + b * (params + cache + TEMPORARY_FACTOR * largest) + 4 * clear
+        return total, (f"1 GiB + {b} B x (P {params:,} + KV cache {cache:,} + 4 x {largest:,}) "
+                       f"+ 4 B x (clear prefill {clear:,}) with T={T}, N={N}")
+    elements = params + 2 * T * cfg.vocab_size + cache + TEMPORARY_FACTOR * prefill_largest
     total = RUNTIME_BASE_BYTES + b * elements
     formula = (f"1 GiB + {b} B x (P {params:,} + 2*T*V {2 * T * cfg.vocab_size:,} + KV cache "
-               f"{cache:,} + 4 x {largest:,}) with T={T}, N={N}")
+               f"{cache:,} + 4 x {prefill_largest:,}) with T={T}, N={N}")
     return total, formula
 
 

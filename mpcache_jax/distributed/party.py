@@ -417,6 +417,10 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
     job = config.job
     if prompt_file is not None and not is_client:
         raise ValueError(f"--prompt_file is the prompt owner's ({config.prompt_owner}) input")
+    if prompt_file is not None and job.prefill == "clear":
+        raise ValueError("job.prefill=\"clear\" makes the prompt public (the model owner "
+                         "prefills it in plaintext); a --prompt_file is private input: use "
+                         "job.prompt_ids or the random prompt, or job.prefill=\"secure\"")
     # From the first second: TLS faults of any peer end this party at once; peers get
     # link.connect_timeout_s from begin_link() to come up (Watchdog).
     watchdog = Watchdog(config, party_id).start()
@@ -426,7 +430,9 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
     t_start = time.perf_counter()
     # Private inputs first: a bad one fails here, before any peer waits on this party.
     params = job_lib.load_weights(job) if is_model else job_lib.weight_shapes(job)
-    prompt_ids, stop_ids = job_lib.load_prompt(job, prompt_file) if is_client else (None, ())
+    # A clear prefill's prompt is public: every party draws it (job_lib.load_prompt).
+    prompt_ids, stop_ids = (job_lib.load_prompt(job, prompt_file)
+                            if is_client or job.prefill == "clear" else (None, ()))
 
     watchdog.stage = "link setup"
     log(party_id, f"linking to {[p for p in config.party_ids if p != party_id]} "
@@ -456,7 +462,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
         stage("compilation")
         result = session.generate(prompt_ids, job.max_new_tokens, prompt_len=T,
                                   stop_ids=stop_ids, on_step=on_step,
-                                  reveal_logits=job.reveal_logits)
+                                  reveal_logits=job.reveal_logits, prefill=job.prefill)
         stage("confirming success")
         # Results are reported only once every party has finished its side.
         if not all(backend.exchange("done", True)):
@@ -481,7 +487,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
             result, backend="spu_nodes", policy=job.policy, budget=job.budget,
             model=job.model, num_layers=job.num_layers, protocol=config.protocol,
             parties=config.world_size, prompt_len=T, weights_s=round(t_weights - t_start, 3),
-            node_config=config.id, tls=config.link.tls is not None,
+            node_config=config.id, tls=config.link.tls is not None, prefill=job.prefill,
             runtime_config=config.mpc.runtime_json())
         record = records[-1]
         arrays = {"tokens": np.asarray(result.tokens, np.int64)}

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from mpcache_jax.distributed.config import NodeConfig
+from mpcache_jax.distributed.config import NodeConfig, estimate_party_memory
 from mpcache_jax.distributed.launch import Interrupted, child_env, interruptible
 from mpcache_jax.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, blame,
                                            failing_peer, spu_log_path)
@@ -77,6 +77,17 @@ def supervise(config: NodeConfig, party_id: str, output_dir: str, worker_cmd: li
         return EXIT_PEER
     if code in (EXIT_OK, EXIT_CONFIG, EXIT_PEER, 1):
         return code  # the worker reported for itself
+    if code == -signal.SIGKILL:
+        # yacl ends a process with status 255, never with SIGKILL; on Linux an unexplained
+        # SIGKILL is almost always the kernel's out-of-memory killer.
+        need, _ = estimate_party_memory(config.job, config.mpc)
+        report(party_id, f"this party's worker was killed by SIGKILL, most likely by the "
+                         f"kernel's out-of-memory killer (see `dmesg`); the job's estimate was "
+                         f"{need / 2**30:.1f} GiB per party and {config.parties_on_this_host} "
+                         f"part{'y runs' if config.parties_on_this_host == 1 else 'ies run'} on "
+                         "this host: shorten job.seq_len, run the parties on separate hosts, "
+                         "or, for a decode benchmark, set job.prefill=\"clear\"")
+        return 1
     log_path = spu_log_path(output_dir, party_id)
     culprit, why = blame(config, party_id, blame_from_log(config, party_id, log_path))
     report(party_id, f"{why}; the link layer ended this party's worker (status {code}, "

@@ -31,6 +31,11 @@ from mpcache_jax.policy import AttentionPolicy
 from mpcache_jax.programs import (StepPrograms, cache_visibility, onehot, shape_of)
 
 
+# How the prompt is prefilled: "secure" (the private run) or "clear" (decode benchmarks: the
+# model owner prefills a public prompt in plaintext and secret-shares the cache).
+PREFILL_MODES = ("secure", "clear")
+
+
 # ----- sessions -------------------------------------------------------------------------------
 @dataclasses.dataclass
 class StepCost:
@@ -56,6 +61,9 @@ class SecureSession:
     def __init__(self, backend, model, params, policy: AttentionPolicy):
         self.backend, self.model, self.policy = backend, model, policy
         self._params_shape = shape_of(params)
+        owns_weights = not any(isinstance(leaf, jax.ShapeDtypeStruct)
+                               for leaf in jax.tree_util.tree_leaves(params))
+        self._params_clear = params if owns_weights else None   # for prefill="clear" only
         self.params = backend.share(params, SECRET, owner=SERVER)
         self._compiled: dict = {}
 
@@ -81,6 +89,35 @@ class SecureSession:
             self._compiled[key] = (prefill, decode, cache_vis)
         return self._compiled[key]
 
+    def prefill_in_clear(self, progs: StepPrograms, compiled, prompt_ids: Sequence[int]):
+        """Decode benchmarks only -- neither the prompt nor the cache stays private: the model
+        owner runs the prefill program (with the policy's compression) in plaintext on a
+        public prompt and secret-shares its outputs; the decode steps that follow are the
+        secure ones, whose cost does not depend on the values they compute on. Saves the
+        secure prefill's time and memory (a [T, V] one-hot product and T x T attention per
+        head), which bound the prompt length of a multi-process run.
+
+        Every party calls this with the same public prompt_ids. Public outputs (slot counters)
+        depend on public inputs only, so a party without the weights computes them itself
+        on zero weights. -> ((token, logits, cache) shared as the compiled prefill's outputs,
+        wall seconds)."""
+        if prompt_ids is None:
+            raise ValueError('prefill="clear" needs the public prompt_ids on every party')
+        params = self._params_clear
+        if params is None:
+            params = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype),
+                                            self._params_shape)
+        start = time.perf_counter()
+        outputs = jax.jit(progs.prefill)(params, onehot(prompt_ids, self.vocab),
+                                         progs.empty_cache())
+        visibility = jax.tree_util.tree_unflatten(compiled.out_tree, compiled.out_visibility)
+        owner = self._params_clear is not None
+        values = jax.tree_util.tree_map(
+            lambda vis, x: np.asarray(x) if owner or vis == PUBLIC
+            else jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), visibility, outputs)
+        shared = self.backend.share(values, visibility, owner=SERVER)
+        return shared, time.perf_counter() - start
+
     def decode(self, program, token: int | None, pos: int, cache_shared):
         """One secure decode step from a shared cache -> (token or None, logits_shared,
         cache_shared, RunCost, wall_s). Only the token is revealed, to the client (who passes
@@ -100,12 +137,16 @@ class SecureSession:
     def generate(self, prompt_ids: Sequence[int] | None, max_new_tokens: int, *,
                  prompt_len: int | None = None, stop_ids: Sequence[int] = (),
                  on_step: Callable[[StepCost, int | None], None] | None = None,
-                 reveal_logits: bool = False) -> SecureGeneration:
+                 reveal_logits: bool = False, prefill: str = "secure") -> SecureGeneration:
         """Greedy secure generation of up to `max_new_tokens` tokens (the first from prefill),
         stopping after a token in `stop_ids`. A party that is not the client passes
         prompt_ids=None and the public prompt_len. `on_step(step, token)` after each step
         (token None off the client): progress bars, streaming. reveal_logits also opens each
-        step's logits to the client (tests: it reveals more than the tokens)."""
+        step's logits to the client (tests: it reveals more than the tokens).
+        prefill="clear" (decode benchmarks, not private): see `prefill_in_clear`; every party
+        passes the public prompt_ids, and the prefill step is recorded without an MPC cost."""
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill={prefill!r}; use one of {PREFILL_MODES}")
         T = len(prompt_ids) if prompt_ids is not None else prompt_len
         if T is None:
             raise ValueError("give prompt_ids, or prompt_len on a party without the prompt")
@@ -113,15 +154,19 @@ class SecureSession:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
         progs = self.programs(T, max_new_tokens)
         start = time.perf_counter()
-        prefill, decode, cache_vis = self.compile(progs)
+        prefill_prog, decode, cache_vis = self.compile(progs)
         compile_s = time.perf_counter() - start
-        prompt = self.backend.share(
-            onehot(prompt_ids, self.vocab) if prompt_ids is not None else
-            jax.ShapeDtypeStruct((T, self.vocab), jnp.float32), SECRET, owner=CLIENT)
-        empty = progs.empty_cache()   # public zeros and counters
-        cache_sh = self.backend.share(empty, cache_visibility(empty), owner=CLIENT)
-        (tok, logits, cache_sh), cost, wall = self.backend.run(prefill, self.params, prompt,
-                                                               cache_sh)
+        if prefill == "clear":
+            (tok, logits, cache_sh), wall = self.prefill_in_clear(progs, prefill_prog, prompt_ids)
+            cost = None
+        else:
+            prompt = self.backend.share(
+                onehot(prompt_ids, self.vocab) if prompt_ids is not None else
+                jax.ShapeDtypeStruct((T, self.vocab), jnp.float32), SECRET, owner=CLIENT)
+            empty = progs.empty_cache()   # public zeros and counters
+            cache_sh = self.backend.share(empty, cache_visibility(empty), owner=CLIENT)
+            (tok, logits, cache_sh), cost, wall = self.backend.run(prefill_prog, self.params,
+                                                                   prompt, cache_sh)
         cache_sh = self.backend.to_visibility(cache_sh, cache_vis)
         token = self._reveal_token(tok)
         tokens = [token] if token is not None else None
@@ -133,7 +178,8 @@ class SecureSession:
                 if value is not None:
                     revealed.append(np.asarray(value))
         keep_logits(logits)
-        steps = [StepCost("prefill", T, wall, cost)]
+        steps = [StepCost("prefill" if prefill == "secure" else "prefill_clear", T, wall,
+                          cost)]
         stops = {int(s) for s in stop_ids}
         if on_step:
             on_step(steps[-1], token)
