@@ -528,3 +528,31 @@ def test_a_signal_to_the_launcher_leaves_no_party_and_no_results(tmp_path, signu
     if signum == signal.SIGTERM:
         assert "interrupted by SIGTERM" in observed.error
     assert observed.passed
+
+
+def test_party_table_pools_runs_and_prints_ratios_to_full(tmp_path):
+    """Medians over every decode step of repeated runs; ratios full / policy per config and T."""
+    from experiments import party_table
+
+    def step(policy, wall, cpu, mb, msgs, net):
+        return {"phase": "decode", "prompt_tokens": 1024,
+                "policy": policy, "wall_s": wall, "party_cpu_s": cpu, "comm_bytes": mb * 1e6,
+                "messages": msgs, "lan_latency_s": net}
+    runs = {"r1/full": [step("full", 4.0, [2.0, 3.0, 2.5], 120, 2100, 0.8),
+                        {"phase": "prefill", "policy": "full"}],
+            "r2/full": [step("full", 6.0, [3.0, 3.5, 2.0], 120, 2100, 0.8),
+                        step("full", 5.0, [1.0, 1.0, 4.0], 120, 2100, 0.8)],
+            "r1/mpcache": [step("mpcache", 2.5, [2.0, 2.0, 2.0], 60, 2200, 0.4)]}
+    for name, records in runs.items():
+        (tmp_path / name).mkdir(parents=True)
+        summary = {"summary": True, "node_config": "netns"}   # names the run's node config
+        (tmp_path / name / "results.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records + [summary]))
+    rows = party_table.summarize(party_table.decode_steps(tmp_path))
+    full, mp = {r["policy"]: r for r in rows}["full"], {r["policy"]: r for r in rows}["mpcache"]
+    assert full["steps"] == 3 and full["wall_s"] == 5.0 and full["max_party_cpu_s"] == 3.5
+    assert full["lan_network_plus_cpu_s"] == pytest.approx(4.3)   # median of 3.8, 4.3, 4.8
+    text = party_table.format_tables(rows)
+    assert "| netns | 1024 | `mpcache` | 2.00x | 2.00x | 2.00x | 1.79x |" in text
+    assert party_table.main(["party_table", str(tmp_path)]) == 0
+    assert (tmp_path / "party_table.csv").read_text().count("\n") == 3

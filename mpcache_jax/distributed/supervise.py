@@ -5,7 +5,8 @@ asynchronous send to a vanished peer exhausts its retries, so a party cannot alw
 dead peer itself. `python -m experiments.party` therefore runs the party as a worker child and
 supervises it: a worker that dies without its own diagnosis is explained from the link errors
 in its SPU log (which name the peer's address), a worker that outlives `job.timeout_s` is
-killed. Either way the party exits non-zero with one `error:` line naming the failed party.
+killed, and a worker killed by SIGKILL is reported as the likely out-of-memory kill it is.
+Either way the party exits non-zero with one `error:` line naming the failed party.
 SIGTERM / SIGINT / SIGHUP to the supervisor kill the worker first (exit 128 + signal), and the
 worker dies with the supervisor should it be killed outright (launch.bind_to_parent).
 """

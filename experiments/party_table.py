@@ -1,0 +1,99 @@
+"""Medians and full/other ratios of multi-process decode steps (scripts/netns_3pc.sh runs).
+
+    python -m experiments.party_table results/tbf3c     # every results.jsonl under the folder
+
+Groups the decode-step records of every run under the folder by (node config, prompt length,
+policy) -- repeated runs of one configuration pool their steps -- and prints one markdown
+row per group: steps, median measured wall per step, median of the slowest party's CPU
+seconds, the counted bytes (summed over the parties) and messages, the network model's LAN
+time, and the model plus the slowest party's CPU; then, per node config and length, each
+policy's ratio to `full` (full / policy: above 1 means cheaper than full). Writes the rows
+to FOLDER/party_table.csv.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import pathlib
+import statistics
+import sys
+from collections import defaultdict
+
+COLUMNS = ("node_config", "prompt_tokens", "policy", "steps", "wall_s", "max_party_cpu_s",
+           "comm_mb", "messages", "lan_network_s", "lan_network_plus_cpu_s")
+RATIOS = ("wall_s", "comm_mb", "lan_network_s", "lan_network_plus_cpu_s")
+
+
+def decode_steps(folder: pathlib.Path) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for path in sorted(folder.rglob("results.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        # The node config's id is in each run's closing summary record.
+        config = next((r["node_config"] for r in records if r.get("summary")), path.parent.name)
+        for record in records:
+            if record.get("phase") == "decode":
+                groups[(config, record["prompt_tokens"], record["policy"])].append(record)
+    return groups
+
+
+def summarize(groups: dict[tuple, list[dict]]) -> list[dict]:
+    rows = []
+    for (config, T, policy), steps in sorted(groups.items()):
+        cpu = [max(s["party_cpu_s"]) for s in steps]
+        network = [s["lan_latency_s"] for s in steps]
+        rows.append({
+            "node_config": config, "prompt_tokens": T, "policy": policy, "steps": len(steps),
+            "wall_s": statistics.median(s["wall_s"] for s in steps),
+            "max_party_cpu_s": statistics.median(cpu),
+            "comm_mb": statistics.median(s["comm_bytes"] for s in steps) / 1e6,
+            "messages": statistics.median(s["messages"] for s in steps),
+            "lan_network_s": statistics.median(network),
+            "lan_network_plus_cpu_s": statistics.median(n + c for n, c in zip(network, cpu)),
+        })
+    return rows
+
+
+def format_tables(rows: list[dict]) -> str:
+    lines = ["| node config | T | policy | steps | wall s (measured) | slowest party CPU s | "
+             "comm MB | messages | modelled LAN network s | model + CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['node_config']} | {r['prompt_tokens']} | `{r['policy']}` | "
+                     f"{r['steps']} | {r['wall_s']:.3f} | {r['max_party_cpu_s']:.3f} | "
+                     f"{r['comm_mb']:.2f} | {r['messages']:.0f} | {r['lan_network_s']:.3f} | "
+                     f"{r['lan_network_plus_cpu_s']:.3f} |")
+    full = {(r["node_config"], r["prompt_tokens"]): r for r in rows if r["policy"] == "full"}
+    ratio_lines = []
+    for r in rows:
+        base = full.get((r["node_config"], r["prompt_tokens"]))
+        if base is None or r["policy"] == "full":
+            continue
+        cells = " | ".join(f"{base[k] / r[k]:.2f}x" for k in RATIOS)
+        ratio_lines.append(f"| {r['node_config']} | {r['prompt_tokens']} | `{r['policy']}` | "
+                           f"{cells} |")
+    if ratio_lines:
+        lines += ["", "| node config | T | full / policy | wall (measured) | comm | "
+                      "modelled LAN network | model + CPU |", "|---|---|---|---|---|---|---|"]
+        lines += ratio_lines
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or not pathlib.Path(argv[1]).is_dir():
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    folder = pathlib.Path(argv[1])
+    rows = summarize(decode_steps(folder))
+    if not rows:
+        print(f"no decode-step records under {folder}", file=sys.stderr)
+        return 1
+    with open(folder / "party_table.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(format_tables(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
