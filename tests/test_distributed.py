@@ -26,7 +26,8 @@ from mpcache_jax.distributed import job as job_lib
 from mpcache_jax.distributed.compare import simulate
 from mpcache_jax.distributed.launch import (free_ports, prepare_config, start_parties,
                                             wait_parties)
-from mpcache_jax.distributed.party import warn_if_insecure
+from mpcache_jax.distributed.party import run_party, warn_if_insecure
+from mpcache_jax.distributed.supervise import supervise
 from experiments.fault_cases import node_config as loopback_node_config
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -335,8 +336,7 @@ def test_clear_prefill_refuses_a_private_prompt_file(tmp_path):
     prompt.write_text("a private question")
     config = load_node_config(write(tmp_path, raw), party="node:1")
     with pytest.raises(ValueError, match="makes the prompt public"):
-        __import__("mpcache_jax.distributed.party", fromlist=["run_party"]).run_party(
-            config, "node:1", tmp_path / "out", prompt_file=str(prompt))
+        run_party(config, "node:1", tmp_path / "out", prompt_file=str(prompt))
 
 
 def test_clear_prefill_then_secure_decode_steps_cost_what_they_cost_after_a_secure_prefill(
@@ -364,7 +364,6 @@ def test_clear_prefill_then_secure_decode_steps_cost_what_they_cost_after_a_secu
 
 
 def test_a_worker_killed_by_sigkill_is_reported_as_out_of_memory(tmp_path, capsys):
-    from mpcache_jax.distributed.supervise import supervise
     config = parse_node_config(node_config(3, "ABY3"))
     code = supervise(config, "node:0", str(tmp_path), [
         sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
