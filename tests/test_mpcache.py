@@ -151,10 +151,34 @@ def test_shared_layers_reuse_selection(tiny):
     (dict(static_scope="global"), "static_scope"),
     (dict(static_cluster=0), "static_cluster"),
     (dict(static_window=0.0), "static_window"),
+    (dict(oversample=0.5), "oversample"),
 ])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         MPCache(**bad)
+
+
+@pytest.mark.parametrize("budget", [0.05, 0.1, 0.2, 0.3])
+def test_finest_level_chooses_among_at_least_twice_its_budget(budget):
+    """The default's coarse level (16-token clusters, 20% kept) hands the 4-token level at
+    least 2x the budget at every budget: at 20% and above, its keep ratio alone would hand down
+    no more than the level keeps (no choice left). Without oversampling (the paper's rule) that
+    is what happens."""
+    policy = make_policy("mpcache", budget=budget)
+    plain = make_policy("mpcache", budget=budget, oversample=0)
+    for prompt_len in (512, 1000, 2048):
+        tokens = P.budget_tokens(budget, prompt_len)
+        coarse, finest = policy.level_counts(prompt_len, tokens)
+        assert finest == tokens // 4
+        assert coarse * 16 >= min(2 * tokens, prompt_len)        # candidates >= 2 x budget
+        assert coarse * 4 >= 2 * finest
+        plain_coarse, plain_finest = plain.level_counts(prompt_len, tokens)
+        assert plain_finest == finest
+        if budget < 0.2:     # the 20% ratio already oversamples: the counts are the paper rule's
+            assert plain_coarse == coarse
+        else:   # the ratio alone leaves at most one coarse cluster (+ the padding) of slack
+            assert plain_coarse * 16 - finest * 4 < 16 + (-prompt_len % 16)
+            assert coarse > plain_coarse
 
 
 def test_ratio_budget_too_small_for_forced_clusters(tiny):

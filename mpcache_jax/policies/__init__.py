@@ -14,9 +14,10 @@ from mpcache_jax.policies.mpcache import MPCache
 
 # The authors' hyperparameters (their LongBench setting): per-layer token-level static eviction
 # voted by the last 20% of prompt queries, 32(0.5) -> 16 clusters scored by the alpha bound per
-# KV head, every other layer reusing the previous one's selection (from layer 2 on).
+# KV head, every other layer reusing the previous one's selection (from layer 2 on). A coarse
+# level keeps its ratio and what the finer level needs, nothing more (oversample off).
 MPCACHE_PAPER = {"static": True, "levels": ((32, 0.5), (16, None)), "similarity": "alpha",
-                 "select_scope": "head", "share_group": 2, "topk_method": "lax"}
+                 "select_scope": "head", "share_group": 2, "topk_method": "lax", "oversample": 0}
 
 # name -> (policy class, fixed settings that define the variant). Baseline modules export
 # their own REGISTRY dicts (one line per configured policy) that are merged in below.
