@@ -152,6 +152,7 @@ def test_shared_layers_reuse_selection(tiny):
     (dict(static_cluster=0), "static_cluster"),
     (dict(static_window=0.0), "static_window"),
     (dict(oversample=0.5), "oversample"),
+    (dict(oversample="2"), "oversample"),
 ])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -161,9 +162,8 @@ def test_config_validation(bad, match):
 @pytest.mark.parametrize("budget", [0.05, 0.1, 0.2, 0.3])
 def test_finest_level_chooses_among_at_least_twice_its_budget(budget):
     """The default's coarse level (16-token clusters, 20% kept) hands the 4-token level at
-    least 2x the budget at every budget: at 20% and above, its keep ratio alone would hand down
-    no more than the level keeps (no choice left). Without oversampling (the paper's rule) that
-    is what happens."""
+    least 2x the budget at every budget. From 20% on, its keep ratio alone (the paper's rule,
+    oversample=0) hands down hardly more than the 4-token level keeps: no choice left."""
     policy = make_policy("mpcache", budget=budget)
     plain = make_policy("mpcache", budget=budget, oversample=0)
     for prompt_len in (512, 1000, 2048):
@@ -174,7 +174,7 @@ def test_finest_level_chooses_among_at_least_twice_its_budget(budget):
         assert coarse * 4 >= 2 * finest
         plain_coarse, plain_finest = plain.level_counts(prompt_len, tokens)
         assert plain_finest == finest
-        if budget < 0.2:     # the 20% ratio already oversamples: the counts are the paper rule's
+        if budget < 0.2:     # the 20% ratio already hands down >= 2x: oversampling adds nothing
             assert plain_coarse == coarse
         else:   # the ratio alone leaves at most one coarse cluster (+ the padding) of slack
             assert plain_coarse * 16 - finest * 4 < 16 + (-prompt_len % 16)

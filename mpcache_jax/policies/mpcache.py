@@ -148,7 +148,8 @@ class MPCache(PromptEvictionPolicy):
             if i and (sizes[i] > sizes[i - 1] or sizes[i - 1] % sizes[i]):
                 raise ValueError(f"cluster sizes must go coarse to fine, each dividing the one "
                                  f"before: got {sizes}")
-        if not (self.oversample == 0 or self.oversample >= 1):
+        if (isinstance(self.oversample, bool) or not isinstance(self.oversample, (int, float))
+                or not (self.oversample == 0 or self.oversample >= 1)):
             raise ValueError(f"oversample={self.oversample!r} must be 0 (off) or >= 1: the "
                              "finest level cannot choose its budget among fewer tokens")
         if self.similarity not in SIMILARITIES:
