@@ -33,8 +33,10 @@ from typing import Callable
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY_JOB = {"model": "llama-tiny", "num_layers": 2, "policy": "mpcache", "budget": 0.5,
+            # oversample 0: both levels choose (at half of 32 tokens, 2x the budget would
+            # keep every coarse cluster)
             "policy_options": {"static_sinks": 4, "static_recent": 8,
-                               "levels": [[8, 0.5], [4, None]]},
+                               "levels": [[8, 0.5], [4, None]], "oversample": 0},
             "seq_len": 32, "max_new_tokens": 2, "reveal_logits": False, "timeout_s": 240}
 
 # Preludes run in a party's worker before experiments.party's main (simulated hostile code).
