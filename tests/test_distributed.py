@@ -32,12 +32,7 @@ from experiments.fault_cases import node_config as loopback_node_config
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NODES = REPO / "experiments" / "nodes"
-TINY_JOB = {"model": "llama-tiny", "num_layers": 2, "policy": "mpcache", "budget": 0.5,
-            # oversample 0: both levels choose (at half of 32 tokens, 2x the budget would
-            # keep every coarse cluster)
-            "policy_options": {"static_sinks": 4, "static_recent": 8,
-                               "levels": [[8, 0.5], [4, None]], "oversample": 0},
-            "seq_len": 32, "max_new_tokens": 2, "reveal_logits": True, "timeout_s": 240}
+TINY_JOB = {**fc.TINY_JOB, "reveal_logits": True}   # the fault cases' job, logits revealed
 
 
 def node_config(parties: int, protocol: str, **link) -> dict:
