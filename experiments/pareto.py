@@ -21,9 +21,11 @@ import pathlib
 import sys
 
 
-def read_fidelity(path: pathlib.Path, budget: float) -> dict[str, dict]:
-    """policy -> mean over tasks of agree / agree_prefix / kl / score-over-full at `budget`
-    (full at any budget: it is the reference)."""
+def read_fidelity(path: pathlib.Path, budget: float,
+                  tasks: list[str] | None = None) -> dict[str, dict]:
+    """policy -> mean over `tasks` (None: every task of the run) of agree / agree_prefix / kl /
+    score-over-full at `budget` (full at any budget: it is the reference). A policy that lacks
+    one of `tasks` is an error: its mean would not be comparable with the others'."""
     rows = list(csv.DictReader(open(path)))
     if not rows:
         raise SystemExit(f"error: {path}: no rows")
@@ -31,11 +33,16 @@ def read_fidelity(path: pathlib.Path, budget: float) -> dict[str, dict]:
     for r in rows:
         if r["policy"] != "full" and abs(float(r["budget"]) - budget) > 1e-9:
             continue
+        if tasks is not None and r["task"] not in tasks:
+            continue
         if int(r.get("skipped") or 0) and not int(r["n"]):
             continue
         per.setdefault(r["policy"], []).append(r)
     out = {}
     for policy, rs in per.items():
+        if tasks is not None and {r["task"] for r in rs} != set(tasks):
+            raise SystemExit(f"error: {path}: {policy} at budget {budget} has tasks "
+                             f"{sorted({r['task'] for r in rs})}, not {sorted(tasks)}")
         def mean(key):
             vals = [float(r[key]) for r in rs if r[key] not in ("", "nan")]
             return sum(vals) / len(vals) if vals else float("nan")
@@ -149,6 +156,8 @@ def main(argv=None) -> int:
                          "seed; a policy is taken from the first run that has it)")
     ap.add_argument("--cost_dir", required=True, help="a decode-cost run's output directory")
     ap.add_argument("--budget", type=float, default=0.1)
+    ap.add_argument("--tasks", default="multi_hop,multi_needle,qa",
+                    help="the tasks whose mean is a policy's fidelity (every policy needs all)")
     ap.add_argument("--protocol", default="ABY3")
     ap.add_argument("--seq_lens", default="1024,2048")
     ap.add_argument("--output_dir", default="results/pareto")
@@ -163,7 +172,7 @@ def main(argv=None) -> int:
             return 2
     fidelity = {}
     for p in fid_paths:
-        for policy, row in read_fidelity(p, args.budget).items():
+        for policy, row in read_fidelity(p, args.budget, args.tasks.split(",")).items():
             fidelity.setdefault(policy, row)
     costs = read_costs(cost_path, args.protocol)
     seq_lens = [int(x) for x in args.seq_lens.split(",")]

@@ -153,6 +153,7 @@ def test_shared_layers_reuse_selection(tiny):
     (dict(static_window=0.0), "static_window"),
     (dict(oversample=0.5), "oversample"),
     (dict(oversample="2"), "oversample"),
+    (dict(group_reduce="mean"), "group_reduce"),
 ])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -212,13 +213,16 @@ def test_decode_compiles_once_per_policy(tiny):
     assert model_module._decode._cache_size() == size
 
 
-@pytest.mark.parametrize("scope", ["layer", "head"])
-def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope):
+@pytest.mark.parametrize("scope,group_reduce", [("layer", "sum"), ("head", "sum"),
+                                                ("layer", "max"), ("head", "max")])
+def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope, group_reduce):
     """similarity="exact": the chosen clusters are the forced first/last ones and those whose
-    best token scores highest (summed over the layer's heads for a per-layer selection)."""
+    best token scores highest (a token's score: its GQA group's summed or best q . k, then
+    summed over the KV heads for a per-layer selection)."""
     rng = np.random.RandomState(3)
     Hkv, G, d, S, s = 2, 2, 8, 64, 4
-    policy = MPCache(budget=24, levels=((s, None),), select_scope=scope)
+    policy = MPCache(budget=24, levels=((s, None),), select_scope=scope,
+                     group_reduce=group_reduce)
     k = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
     valid = jnp.ones((Hkv, S), jnp.float32)
     from mpcache_jax.cache import empty_layer
@@ -226,7 +230,8 @@ def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope):
     q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
     chosen = np.asarray(policy.select(q, state))
     assert chosen.shape == ((1 if scope == "layer" else Hkv), 24 // s, S // s)
-    token = np.einsum("kgd,ksd->ks", np.asarray(q).reshape(Hkv, G, d), np.asarray(k))
+    per_head = np.einsum("kgd,ksd->kgs", np.asarray(q).reshape(Hkv, G, d), np.asarray(k))
+    token = per_head.max(1) if group_reduce == "max" else per_head.sum(1)
     if scope == "layer":
         token = token.sum(0, keepdims=True)
     best = token.reshape(token.shape[0], S // s, s).max(-1)
@@ -364,3 +369,20 @@ def test_ranked_rows_are_the_rows_selection_ranks(tiny, options, monkeypatch):
     layer_rows = {shape[:-1] for shape in seen}
     assert {r[0] for r in layer_rows} == {rows}
     assert max(shape[-1] for shape in seen) == longest
+
+
+def test_group_reduce_changes_the_selection_only_with_query_groups():
+    """With GQA groups, "max" and "sum" choose differently on these scores (so the test above
+    could not pass with the option ignored); with one query head per KV head they are the
+    same selection."""
+    rng = np.random.RandomState(3)
+    from mpcache_jax.cache import empty_layer
+    S, d = 64, 8
+    for Hkv, G, differ in ((2, 3, True), (4, 1, False)):
+        k = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
+        state = PrunedLayer(k, k, jnp.ones((Hkv, S), jnp.float32), empty_layer(Hkv, 4, d),
+                            None, prompt_len=S, kept=S)
+        q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
+        picks = [np.asarray(MPCache(budget=16, levels=((4, None),), select_scope="head",
+                                    group_reduce=r).select(q, state)) for r in ("sum", "max")]
+        assert (not np.array_equal(*picks)) == differ

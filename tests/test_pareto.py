@@ -2,6 +2,8 @@
 import csv
 import json
 
+import pytest
+
 from experiments import pareto
 
 
@@ -30,6 +32,10 @@ def test_join_reads_both_runs_and_marks_the_front(tmp_path):
             w.writerow([task, pol, b, score, full, agree, agree, kl, 12, 0])
     fidelity = pareto.read_fidelity(fid / "summary.csv", 0.1)
     assert set(fidelity) == {"full", "cheap", "good"}
+    only_t2 = pareto.read_fidelity(fid / "summary.csv", 0.1, ["t2"])
+    assert abs(only_t2["cheap"]["agree"] - 0.5) < 1e-9 and abs(only_t2["cheap"]["kl"] - 0.5) < 1e-9
+    with pytest.raises(SystemExit, match="has tasks"):
+        pareto.read_fidelity(fid / "summary.csv", 0.1, ["t1", "t3"])
     assert abs(fidelity["cheap"]["agree"] - 0.25) < 1e-9 and abs(fidelity["cheap"]["kl"] - 1.0) < 1e-9
     assert abs(fidelity["cheap"]["score_over_full"] - 0.35) < 1e-9      # (0.2 + 0.5) / 2
     cost = tmp_path / "results.jsonl"

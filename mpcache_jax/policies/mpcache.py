@@ -14,14 +14,17 @@ Two configurations are registered (policies/__init__.py):
   SmolLM2 the prompt's last queries vote against answer tokens: at a 50% keep only ~20% of
   an answer's tokens survive); a cluster scores its best token's q . k, read from the
   step's own attention scores (the quantity the paper's bounding boxes approximate:
-  `similarity="exact"`); every layer selects (sharing across layers costs 4-8x the KL on
-  SmolLM2); clusters of 16 (the best 20% kept) then 4 tokens; one selection per KV head on
-  models with few KV heads (`select_scope="auto"`: SmolLM2's 3 raise the agreement with
-  `full` from 0.39 to 0.58 for 1.4x the selection's bytes), one per layer shared by its
-  heads otherwise (per-head selection multiplies the top-k and one-hots by the KV heads:
-  unaffordable under MPC on a 32-KV-head model). The coarse level hands the finest at least
-  twice the budget (`oversample`): at budgets of 20% and more its 20% ratio alone left the
-  4-token level no choice, and selection fell back to whole 16-token clusters.
+  `similarity="exact"`), a token scoring its best query head of the GQA group
+  (`group_reduce="max"`: with the group's summed logits selection kept less of the answer
+  span and agreed less with `full`, WORKSPACE.md "The GQA group's best head"); every layer
+  selects (sharing across layers costs 4-8x the KL on SmolLM2); clusters of 16 (the best
+  20% kept) then 4 tokens; one selection per KV head on models with few KV heads
+  (`select_scope="auto"`: SmolLM2's 3 raise the agreement with `full` from 0.39 to 0.58 for
+  1.4x the selection's bytes), one per layer shared by its heads otherwise (per-head
+  selection multiplies the top-k and one-hots by the KV heads: unaffordable under MPC on a
+  32-KV-head model). The coarse level hands the finest at least twice the budget
+  (`oversample`): at budgets of 20% and more its 20% ratio alone left the 4-token level no
+  choice, and selection fell back to whole 16-token clusters.
 - `mpcache_paper`: the authors' hyperparameters (their LongBench setting).
 """
 from __future__ import annotations
@@ -81,6 +84,9 @@ class MPCache(PromptEvictionPolicy):
     similarity: "exact" (a cluster's best q . k, from the step's attention scores), "alpha"
       (q . (alpha r_max + (1 - alpha) r_min), the paper), "mp" (the exact upper bound
       sum_i max(q_i r_max_i, q_i r_min_i)) or "avg" (the cluster mean).
+    group_reduce: how the query heads of one KV head (a GQA group) combine their scores of a
+      token ("exact" only): "sum" (their summed q . k) or "max" (the best head's: a token one
+      head needs is not outvoted by the others). A per-layer selection then sums over KV heads.
     select_scope: "layer" (one selection for all the layer's heads, scores summed over them),
       "head" (one per KV head, the paper) or "auto" (per head on models with at most
       AUTO_HEAD_MAX_KV_HEADS KV heads, else per layer: `scope_for`).
@@ -103,6 +109,7 @@ class MPCache(PromptEvictionPolicy):
     oversample: float = 2.0
     similarity: str = "exact"
     alpha: float = 0.6
+    group_reduce: str = "max"
     select_scope: str = "auto"
     share_group: int = 1
     share_from: int = 2
@@ -154,6 +161,8 @@ class MPCache(PromptEvictionPolicy):
                              "finest level cannot choose its budget among fewer tokens")
         if self.similarity not in SIMILARITIES:
             raise ValueError(f"similarity={self.similarity!r}; use one of {SIMILARITIES}")
+        if self.group_reduce not in ("sum", "max"):
+            raise ValueError(f"group_reduce={self.group_reduce!r}; use 'sum' or 'max'")
         if self.select_scope not in SELECT_SCOPES:
             raise ValueError(f"select_scope={self.select_scope!r}; use 'layer' (one selection "
                              "per layer), 'head' (one per KV head) or 'auto'")
@@ -396,7 +405,8 @@ class MPCache(PromptEvictionPolicy):
             return [digest_level(i) for i in range(len(self.sizes))]
         if scores is None:
             scores = attention.grouped_scores(qg.reshape(-1, qg.shape[-1]), state.k)
-        token = jnp.sum(scores, axis=1)                                       # [H_kv, S]
+        reduce = jnp.max if self.group_reduce == "max" else jnp.sum
+        token = reduce(scores, axis=1)                                        # [H_kv, S]
         if per_layer:
             token = jnp.sum(token, axis=0, keepdims=True)
         valid = state.valid[:token.shape[0]]
