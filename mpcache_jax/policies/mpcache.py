@@ -16,7 +16,7 @@ Two configurations are registered (policies/__init__.py):
   step's own attention scores (the quantity the paper's bounding boxes approximate:
   `similarity="exact"`), a token scoring its best query head of the GQA group
   (`group_reduce="max"`: with the group's summed logits selection kept less of the answer
-  span and agreed less with `full`, WORKSPACE.md "The GQA group's best head"); every layer
+  span and mostly agreed less with `full`, WORKSPACE.md "The GQA group's best head"); every layer
   selects (sharing across layers costs 4-8x the KL on SmolLM2); clusters of 16 (the best
   20% kept) then 4 tokens; one selection per KV head on models with few KV heads
   (`select_scope="auto"`: SmolLM2's 3 raise the agreement with `full` from 0.39 to 0.58 for
