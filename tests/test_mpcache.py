@@ -5,12 +5,22 @@ import numpy as np
 import pytest
 
 from mpcache_jax import primitives as P
+from mpcache_jax.cache import empty_layer
 from mpcache_jax.generate import compress_cache
 from mpcache_jax.policies import POLICY_NAMES, MPCache, make_policy
 from mpcache_jax.policies.base import PrunedLayer
 from mpcache_jax.extent import Extent
 from models import registry
 from tests.decode_helpers import teacher_forced_logits
+
+
+def prompt_state(k, extras=None) -> PrunedLayer:
+    """A layer holding only a prompt: keys = values = k [H_kv, S, d], every slot valid, room
+    for 4 generated tokens; `extras` are the policy's `layer_extras`."""
+    Hkv, S, d = k.shape
+    return PrunedLayer(k, k, jnp.ones((Hkv, S), jnp.float32), empty_layer(Hkv, 4, d),
+                       extras, prompt_len=S, kept=S)
+
 
 SMALL_LEVELS = {"levels": ((8, 0.5), (4, None))}
 
@@ -224,9 +234,7 @@ def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope, group_re
     policy = MPCache(budget=24, levels=((s, None),), select_scope=scope,
                      group_reduce=group_reduce)
     k = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
-    valid = jnp.ones((Hkv, S), jnp.float32)
-    from mpcache_jax.cache import empty_layer
-    state = PrunedLayer(k, k, valid, empty_layer(Hkv, 4, d), None, prompt_len=S, kept=S)
+    state = prompt_state(k)
     q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
     chosen = np.asarray(policy.select(q, state))
     assert chosen.shape == ((1 if scope == "layer" else Hkv), 24 // s, S // s)
@@ -251,9 +259,7 @@ def test_selection_matches_brute_force(levels):
                      select_scope="head")
     k = jnp.asarray(rng.randn(Hkv, kept, d), jnp.float32)
     valid = jnp.ones((Hkv, kept), jnp.float32)
-    from mpcache_jax.cache import empty_layer
-    state = PrunedLayer(k, k, valid, empty_layer(Hkv, 4, d), policy.layer_extras(k, valid),
-                        prompt_len=kept, kept=kept)
+    state = prompt_state(k, policy.layer_extras(k, valid))
     q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
     chosen = np.asarray(policy.select(q, state)).argmax(-1)       # [Hkv, k] finest cluster ids
     s = levels[-1][0]
@@ -288,7 +294,7 @@ def test_selection_matches_brute_force(levels):
 def test_attend_selected_equals_gathering_keys_and_values(start, stop, shared):
     """Scores picked and probabilities scattered back by the one-hot = attention over the
     gathered clusters (plus the slots outside [start, stop) and the generated tokens)."""
-    from mpcache_jax.cache import append_token, empty_layer
+    from mpcache_jax.cache import append_token
     from mpcache_jax.policies.base import attend_selected, attend_with_new
     rng = np.random.RandomState(7)
     Hkv, G, S, d, s = 2, 2, 24, 4, 4
@@ -376,12 +382,10 @@ def test_group_reduce_changes_the_selection_only_with_query_groups():
     could not pass with the option ignored); with one query head per KV head they are the
     same selection."""
     rng = np.random.RandomState(3)
-    from mpcache_jax.cache import empty_layer
     S, d = 64, 8
     for Hkv, G, differ in ((2, 3, True), (4, 1, False)):
         k = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
-        state = PrunedLayer(k, k, jnp.ones((Hkv, S), jnp.float32), empty_layer(Hkv, 4, d),
-                            None, prompt_len=S, kept=S)
+        state = prompt_state(k)
         q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
         picks = [np.asarray(MPCache(budget=16, levels=((4, None),), select_scope="head",
                                     group_reduce=r).select(q, state)) for r in ("sum", "max")]
