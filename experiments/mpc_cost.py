@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import pathlib
 import time
@@ -98,6 +99,7 @@ class CostConfig:
     softmax: str = "reciprocal"
     no_cache_max_len: int = 512
     repeats: int = 1
+    decode_steps: int = 1
     gather_tokens: int = 1024
     gather_clusters: int = 64
     gather_dim: int = 128
@@ -114,6 +116,11 @@ class CostConfig:
                              f"{', '.join(BENCHMARKS)}")
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"--mpc_repeats={self.repeats!r} must be an integer >= 1")
+        if not isinstance(self.decode_steps, int) or self.decode_steps < 1:
+            raise ValueError(f"--mpc_decode_steps={self.decode_steps!r} must be an integer >= 1")
+        if self.decode_steps > 1 and self.repeats > 1:
+            raise ValueError("--mpc_repeats repeats one decode step; with --mpc_decode_steps="
+                             f"{self.decode_steps} every step is measured once: drop one of them")
         if self.backend not in mpc.BACKENDS:
             raise ValueError(f"--backend={self.backend!r}; use one of {mpc.BACKENDS}")
         for p in self.protocols:   # every protocol before any work
@@ -132,11 +139,12 @@ class CostConfig:
                              f"{','.join(FLAGS.budgets)}")
         fields = {f.name for f in dataclasses.fields(cls)} - {
             "bench", "protocols", "policies", "budget", "share_from", "seq_lens", "topk_sizes",
-            "repeats"}
+            "repeats", "decode_steps"}
         return cls(bench=FLAGS.mpc_bench,
                    protocols=protocols_of(FLAGS.backend, FLAGS.protocol, FLAGS.runtime_config),
                    policies=tuple(parse_variants(FLAGS)), budget=parse_budget(FLAGS.budgets[0]),
                    share_from=FLAGS.mpc_share_from, repeats=FLAGS.mpc_repeats,
+                   decode_steps=FLAGS.mpc_decode_steps,
                    seq_lens=tuple(int(t) for t in FLAGS.seq_lens),
                    topk_sizes=tuple(int(n) for n in FLAGS.topk_sizes),
                    **{name: getattr(FLAGS, name) for name in fields})
@@ -174,9 +182,17 @@ class Harness:
                    "wall_s": round(wall, 4), "compute_s": wall,
                    "lan_latency_s": 0.0, "wan_latency_s": 0.0, "lan_total_s": wall,
                    "wan_total_s": wall, "phase_breakdown": {}, "ops": {}})
+        return self.record_fields(bench, protocol, mpc_cfg, fields, policy=policy,
+                                  seq_len=seq_len, model=model, num_layers=num_layers,
+                                  extra=extra)
+
+    def record_fields(self, bench: str, protocol: str, mpc_cfg, fields: dict, *, policy: str,
+                      seq_len: int, model: str | None = None, num_layers: int = 0,
+                      extra: dict | None = None) -> dict:
+        """`record` from cost fields already computed (e.g. averaged over decode steps)."""
         rec = {"bench": bench, "policy": policy, "protocol": protocol,
-               "parties": parties, "seq_len": seq_len, "model": model or self.cfg.model,
-               "num_layers": num_layers, **fields, **(extra or {}),
+               "parties": mpc_cfg.parties if mpc_cfg else 1, "seq_len": seq_len,
+               "model": model or self.cfg.model, "num_layers": num_layers, **fields, **(extra or {}),
                "runtime_config": mpc_cfg.runtime_json() if mpc_cfg else None,
                "git_commit": git_commit()}
         self.add(rec)
@@ -250,6 +266,7 @@ def bench_decode(cfg: CostConfig, harness: Harness):
     del loaded
     rng = np.random.RandomState(cfg.seed)
     layers = {"num_layers": cfgm.num_layers}
+    new_slots = max(NEW_SLOTS, cfg.decode_steps)
     for protocol, mpc_cfg, backend in harness.backends():
         # LM head + argmax: policy independent, once per protocol.
         head_model = Model(full_cfg)
@@ -273,7 +290,7 @@ def bench_decode(cfg: CostConfig, harness: Harness):
         params_sh = backend.share(params, mpc.SECRET, owner=mpc.SERVER)
         for T in seq_lens:
             prompt = rng.randint(0, cfgm.vocab_size, T)
-            logits, dense, aux = model.prefill(params, list(prompt), model.init_cache(T + NEW_SLOTS),
+            logits, dense, aux = model.prefill(params, list(prompt), model.init_cache(T + new_slots),
                                                return_queries=True)
             for label, name, options in cfg.policies:
                 policy, budget = build_policy(cfg, name, protocol, T, cfgm.num_kv_heads, options)
@@ -294,16 +311,23 @@ def bench_decode(cfg: CostConfig, harness: Harness):
                 else:
                     # The decode step's inputs and their visibility, as a session's (masks
                     # of kept slots and counters derived from public data stay public).
-                    progs = mpc.StepPrograms(model, policy, T, NEW_SLOTS)
+                    progs = mpc.StepPrograms(model, policy, T, new_slots)
                     vis = progs.decode_visibility(params_shape)
                     t0 = time.perf_counter()
                     prog = backend.compile(mpc.decode_layers_fn(model, policy),
                                            progs.decode_args(params_shape), vis)
                     extra["compile_s"] = round(time.perf_counter() - t0, 2)
-                    cache = apply_policy(policy, dense, aux, NEW_SLOTS)
+                    cache = apply_policy(policy, dense, aux, new_slots)
                     cache_sh = backend.share(cache, vis[3], owner=mpc.CLIENT)
                     tok = backend.share(mpc.onehot(int(np.argmax(logits)), cfgm.vocab_size),
                                         mpc.SECRET, owner=mpc.CLIENT)
+                    if cfg.decode_steps > 1:
+                        fields = generation_cost(backend, prog, params_sh, tok, cache_sh, T,
+                                                 cfg.decode_steps, mpc_cfg.parties)
+                        harness.record_fields("decode", protocol, mpc_cfg, fields, policy=label,
+                                              seq_len=T, **layers, extra=extra)
+                        del cache_sh
+                        continue
                     pos = backend.share(np.int32(T), mpc.PUBLIC)
                     cost, wall, runs = median_run(
                         lambda: backend.run(prog, params_sh, tok, pos, cache_sh)[1:], cfg.repeats)
@@ -315,6 +339,39 @@ def bench_decode(cfg: CostConfig, harness: Harness):
             del dense
     ratios = print_decode_ratios(harness.records)
     write_jsonl(harness.out_path.parent / "ratios.jsonl", ratios)
+
+
+# Per-step fields of a generation kept in its record's `steps` list.
+STEP_FIELDS = ("comm_bytes", "messages", "compute_s", "lan_total_s", "wan_total_s")
+
+
+def generation_cost(backend, prog, params_sh, token_sh, cache_sh, prompt_len: int, steps: int,
+                    parties: int) -> dict:
+    """Run `steps` decode steps of a decode-layers program from a shared cache (each step's
+    cache feeds the next; the fed token is the same one-hot every step: costs do not depend on
+    values) -> the record fields averaged over the steps (bytes, messages, compute, the
+    modelled network times...), with each step's own in `steps`."""
+    per_step = []
+    for step in range(steps):
+        pos = backend.share(np.int32(prompt_len + step), mpc.PUBLIC)
+        (_, cache_sh), cost, wall = backend.run(prog, params_sh, token_sh, pos, cache_sh)
+        per_step.append(mpc.cost_fields(cost, wall, parties))
+    return average_steps(per_step)
+
+
+def average_steps(per_step: list[dict]) -> dict:
+    """The mean of every numeric field (lists element-wise) over the steps, `messages` rounded
+    up; `steps` = each step's STEP_FIELDS; phase/op breakdowns are the first step's."""
+    out = dict(per_step[0])
+    for key, value in per_step[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(np.mean([s[key] for s in per_step]))
+        elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
+            out[key] = [float(x) for x in np.mean([s[key] for s in per_step], axis=0)]
+    out["comm_bytes"] = int(round(out["comm_bytes"]))
+    out["messages"] = int(math.ceil(out["messages"]))
+    out["steps"] = [{k: s[k] for k in STEP_FIELDS} for s in per_step]
+    return out
 
 
 def median_run(run, repeats: int, fields_of=mpc.cost_fields):
@@ -343,41 +400,65 @@ def _print_row(rec):
 
 
 def print_decode_ratios(records) -> list[dict]:
-    """Per (protocol, seq_len): each policy's comm / LAN latency relative to full and longcache,
-    its selection + gather overhead above the oracle floor, and the MLP activation's share."""
+    """Per (protocol, seq_len): each policy's bytes, messages, modelled LAN / WAN time + compute
+    relative to full (and longcache), its overhead above the oracle floor, and for a
+    generation of several steps the most and least expensive step (a refreshing policy's
+    selection step vs its reuse steps)."""
     rows = [r for r in records if r.get("scope") == "decoder_layers"]
     act = {r["protocol"]: r for r in records if r.get("scope") == "mlp_activation"}
     keys = sorted({(r["protocol"], r["seq_len"]) for r in rows})
-    print("\nratios measured in this run (decoder layers of one decode step):")
-    print("(comm = bytes sent summed over the parties; LAN = modelled network time: comm / "
-          "parties / 377 MB/s + messages x 0.3 ms; the simulated compute is reported per row "
-          "above)")
-    print(f"{'protocol':8s} {'T':>5s} {'policy':16s} {'comm MB':>9s} {'LAN s':>8s} "
-          f"{'full/x comm':>11s} {'full/x LAN':>10s} {'lc/x comm':>9s} {'lc/x LAN':>8s} "
-          f"{'x-oracle MB':>11s} {'x-oracle s':>10s}")
+    print("\nratios measured in this run (decoder layers of one decode step; with "
+          "--mpc_decode_steps, the mean step of the generation):")
+    print("(comm = bytes sent summed over the parties; LAN / WAN = modelled network time "
+          "(comm / parties / bandwidth + messages x RTT; LAN 377 MB/s 0.3 ms, WAN 40 MB/s 80 ms) "
+          "+ the simulated compute)")
+    print(f"{'protocol':8s} {'T':>5s} {'policy':16s} {'comm MB':>9s} {'msgs':>6s} "
+          f"{'LAN+c s':>8s} {'WAN+c s':>8s} {'full/x comm':>11s} {'x/full msgs':>11s} "
+          f"{'full/x LAN+c':>12s} {'full/x WAN+c':>12s} {'x/oracle LAN+c':>14s} "
+          f"{'x-oracle MB':>11s}")
     out = []
     for proto, T in keys:
         group = {r["policy"]: r for r in rows if r["protocol"] == proto and r["seq_len"] == T}
         full, lc, orc = group.get("full"), group.get("longcache"), group.get(ORACLE)
         for name, r in group.items():
-            def ratio(base, key):
-                return base[key] / r[key] if base and r[key] else None
+            def ratio(base, key, inverse=False):
+                if not base or not r[key] or not base[key]:
+                    return None
+                return r[key] / base[key] if inverse else base[key] / r[key]
             row = {"protocol": proto, "seq_len": T, "policy": name,
-                   "comm_mb": r["comm_bytes"] / 1e6, "lan_s": r["lan_latency_s"],
+                   "comm_mb": r["comm_bytes"] / 1e6, "messages": r["messages"],
+                   "lan_s": r["lan_latency_s"], "lan_total_s": r["lan_total_s"],
+                   "wan_total_s": r["wan_total_s"],
                    "full_over_x_comm": ratio(full, "comm_bytes"),
+                   "x_over_full_messages": ratio(full, "messages", inverse=True),
                    "full_over_x_lan": ratio(full, "lan_latency_s"),
+                   "full_over_x_lan_total": ratio(full, "lan_total_s"),
+                   "full_over_x_wan_total": ratio(full, "wan_total_s"),
+                   "x_over_oracle_lan_total": ratio(orc, "lan_total_s", inverse=True),
                    "longcache_over_x_comm": ratio(lc, "comm_bytes"),
                    "longcache_over_x_lan": ratio(lc, "lan_latency_s"),
                    "over_oracle_mb": (r["comm_bytes"] - orc["comm_bytes"]) / 1e6 if orc else None,
                    "over_oracle_lan_s": r["lan_latency_s"] - orc["lan_latency_s"] if orc else None,
                    "mlp_activation_mb": act[proto]["comm_bytes"] / 1e6 if proto in act else None}
+            if r.get("steps"):
+                by_total = sorted(r["steps"], key=lambda step: step["lan_total_s"])
+                row["costliest_step"], row["cheapest_step"] = by_total[-1], by_total[0]
             out.append(row)
             f = lambda v, fmt: format(v, fmt) if v is not None else "-"
-            print(f"{proto:8s} {T:5d} {name:16s} {row['comm_mb']:9.2f} {row['lan_s']:8.3f} "
-                  f"{f(row['full_over_x_comm'], '.2f'):>11s} {f(row['full_over_x_lan'], '.2f'):>10s} "
-                  f"{f(row['longcache_over_x_comm'], '.2f'):>9s} "
-                  f"{f(row['longcache_over_x_lan'], '.2f'):>8s} {f(row['over_oracle_mb'], '.2f'):>11s} "
-                  f"{f(row['over_oracle_lan_s'], '.3f'):>10s}")
+            print(f"{proto:8s} {T:5d} {name:16s} {row['comm_mb']:9.2f} {row['messages']:6d} "
+                  f"{row['lan_total_s']:8.2f} {row['wan_total_s']:8.2f} "
+                  f"{f(row['full_over_x_comm'], '.2f'):>11s} "
+                  f"{f(row['x_over_full_messages'], '.3f'):>11s} "
+                  f"{f(row['full_over_x_lan_total'], '.2f'):>12s} "
+                  f"{f(row['full_over_x_wan_total'], '.2f'):>12s} "
+                  f"{f(row['x_over_oracle_lan_total'], '.2f'):>14s} "
+                  f"{f(row['over_oracle_mb'], '.2f'):>11s}")
+            for which in ("costliest_step", "cheapest_step"):
+                if which in row:
+                    step = row[which]
+                    print(f"{'':31s}{which.replace('_', ' ')}: {step['comm_bytes'] / 1e6:.2f} MB, "
+                          f"{step['messages']} msgs, LAN+c {step['lan_total_s']:.2f} s, "
+                          f"WAN+c {step['wan_total_s']:.2f} s")
     for proto, r in act.items():
         print(f"{proto}: MLP activation alone ({r['num_layers']} layers): "
               f"{r['comm_bytes'] / 1e6:.2f} MB, LAN {r['lan_latency_s']:.3f} s")

@@ -140,6 +140,9 @@ def tiny_policy(name):
     if name == "mpcache":
         return make_policy("mpcache", budget=16, levels=((8, 0.5), (4, None)), static_keep=32,
                            share_from=0, topk_method="rank")
+    if name == "mpcache_reuse":   # a working set gathered every other step
+        return make_policy("mpcache", budget=16, levels=((8, 0.5), (4, None)), share_from=0,
+                           topk_method="rank", refresh_every=2)
     return make_policy(name)
 
 
@@ -196,6 +199,24 @@ def test_secure_generation_prefill_eviction_and_decode_inside_mpc(tiny):
     assert prefill.send_bytes > decode.send_bytes > 0
 
 
+def test_secure_reuse_generation_equals_plaintext_and_pays_on_refresh_steps(tiny):
+    """A working set refreshed every other step: SPU runs one branch of the public refresh
+    condition per step (the selection and gather only on refresh steps) and gives the
+    plaintext tokens."""
+    model, params, prompt = tiny
+    policy = tiny_policy("mpcache_reuse")
+    runs = {}
+    for backend_name in ("xla", "spu_sim"):
+        backend = mpc.make_backend(backend_name, mpc.MPCConfig(protocol="ABY3"))
+        runs[backend_name] = mpc.SecureSession(backend, model, params, policy).generate(
+            prompt, max_new_tokens=5, prefill="clear")
+    assert runs["spu_sim"].tokens == runs["xla"].tokens
+    steps = [s.cost for s in runs["spu_sim"].steps if s.phase == "decode"]
+    refresh, reuse = steps[0::2], steps[1::2]
+    assert min(s.send_bytes for s in refresh) > max(s.send_bytes for s in reuse) > 0
+    assert min(s.send_actions for s in refresh) > max(s.send_actions for s in reuse)
+
+
 def test_clear_prefill_shares_the_plaintext_prefill_and_decodes_the_same(tiny):
     """prefill="clear" (decode benchmarks): the tokens of the secure prefill's run, decode
     steps of the same cost, the prefill recorded without an MPC cost; without the prompt on
@@ -218,9 +239,10 @@ def test_clear_prefill_shares_the_plaintext_prefill_and_decodes_the_same(tiny):
 
 
 # ----- nothing secret is revealed inside the programs ---------------------------------------------------
-def test_compiled_programs_reveal_nothing_and_positions_are_public(tiny):
+@pytest.mark.parametrize("policy_name", ["mpcache", "mpcache_reuse"])
+def test_compiled_programs_reveal_nothing_and_positions_are_public(tiny, policy_name):
     model, params, prompt = tiny
-    policy = tiny_policy("mpcache")
+    policy = tiny_policy(policy_name)
     backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"), profile=False)
     session = mpc.SecureSession(backend, model, params, policy)
     progs = session.programs(32, 4)
@@ -236,10 +258,13 @@ def test_compiled_programs_reveal_nothing_and_positions_are_public(tiny):
         by_dependency = jax.tree_util.tree_leaves(mpc.dependency_visibility(fn, args, in_vis))
         for spu_vis, dep_vis in zip(program.out_visibility, by_dependency):
             assert spu_vis == mpc.SECRET or dep_vis == mpc.PUBLIC
-        # Kept keys/values and cluster digests (derived from the prompt) stay secret.
+        # Kept keys/values and cluster digests (derived from the prompt) stay secret, and so
+        # does a working set once a decode step has gathered it (prefill leaves it empty).
         for path, vis in jax.tree_util.tree_flatten_with_path(outs[2])[0]:
             name = jax.tree_util.keystr(path)
-            if name.endswith((".k", ".v")) and ".new." not in name or ".extras" in name:
+            gathered = ".working" in name and program is decode
+            if (name.endswith((".k", ".v")) and ".new." not in name and ".working" not in name
+                    or ".extras" in name or gathered):
                 assert vis == mpc.SECRET, name
     # The decode position is a public input: a plain i32 argument in the compiled signature.
     n_params = len(jax.tree_util.tree_leaves(ps))
@@ -265,6 +290,25 @@ def test_reveal_check_catches_a_mid_program_reveal():
     # Every backend compile (the CLI's programs included) refuses the leaky program.
     with pytest.raises(ValueError, match="reveals a secret before its outputs"):
         backend.compile(leaky, (x, w), mpc.SECRET)
+
+
+def test_reveal_check_follows_region_scopes():
+    """The branches of a public-predicate `lax.cond` number their values anew (and the program
+    reuses the numbers after them): a public value named like a secret one of a branch is no
+    reveal, and a reveal inside a branch is still caught."""
+    from spu.experimental import reveal
+    backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"), profile=False)
+
+    def program(leak):
+        def fn(x, n):
+            heavy = lambda x: jnp.exp((reveal(x) if leak else x) @ x.T).sum(0)
+            light = lambda x: x[:, 0] * 2.0
+            y = jax.lax.cond(n % 2 == 0, heavy, light, x)
+            return y * jnp.arange(8, dtype=jnp.float32)      # public iota after the branches
+        return backend.compile(fn, (np.ones((8, 8), np.float32), np.int32(0)),
+                               (mpc.SECRET, mpc.PUBLIC), allow_reveals=leak)
+    assert mpc.secret_reveals(program(False).ir) == []
+    assert mpc.secret_reveals(program(True).ir)
 
 
 def _spu_apply(fn, *args, config=None):

@@ -390,3 +390,101 @@ def test_group_reduce_changes_the_selection_only_with_query_groups():
         picks = [np.asarray(MPCache(budget=16, levels=((4, None),), select_scope="head",
                                     group_reduce=r).select(q, state)) for r in ("sum", "max")]
         assert (not np.array_equal(*picks)) == differ
+
+
+# ----- temporal reuse: a working set gathered on refresh steps ------------------------------------
+def _reuse_pair(scope, refresh_every=3):
+    reuse = make_policy("mpcache", 16, select_scope=scope, refresh_every=refresh_every,
+                        **SMALL_LEVELS)
+    return reuse, make_policy("mpcache", 16, select_scope=scope, **SMALL_LEVELS)
+
+
+@pytest.mark.parametrize("scope", ["head", "layer"])
+def test_reuse_selects_on_refresh_steps_and_keeps_the_working_set_between(scope):
+    """Refresh steps (every refresh_every-th, the first included) select as the every-step
+    policy does and give its output; the steps between attend to the same gathered tokens
+    (equal to attention over exactly those prompt slots plus the generated tokens)."""
+    reuse, every = _reuse_pair(scope)
+    rng = np.random.RandomState(0)
+    Hkv, G, S, d = 2, 2, 64, 8
+    k = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
+    state_every = prompt_state(k).replace(new=empty_layer(Hkv, 8, d))
+    state = state_every.replace(working=reuse._empty_working_set(state_every))
+    held = None
+    for step in range(7):
+        q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
+        k_new = jnp.asarray(rng.randn(Hkv, d), jnp.float32)
+        want_slots = np.asarray(every.attended_slots(0, q, state_every, None))
+        out, state, _ = reuse.attend(0, q, k_new, k_new, state, None)
+        ref, state_every, _ = every.attend(0, q, k_new, k_new, state_every, None)
+        slots = np.asarray(state.working.attended_slots(Hkv, S))
+        if step % 3 == 0:
+            np.testing.assert_array_equal(slots, want_slots)
+            assert float(jnp.abs(out - ref).max()) <= 1e-5
+            held = slots
+        else:
+            np.testing.assert_array_equal(slots, held)
+        assert slots.sum(axis=1).max() == 16                 # the budget, per selection row
+        # Reference: softmax over the held prompt slots and the generated tokens.
+        new = state.new
+        n = int(new.length)
+        keys = np.concatenate([np.asarray(k), np.asarray(new.k)[:, :n]], axis=1)
+        mask = np.concatenate([held, np.ones((Hkv, n), np.int32)], axis=1) > 0
+        qg = np.asarray(q).reshape(Hkv, G, d) / np.sqrt(d)
+        logits = np.einsum("kgd,ksd->kgs", qg, keys)
+        logits = np.where(mask[:, None], logits, -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want = np.einsum("kgs,ksd->kgd", p, keys).reshape(Hkv * G, d)
+        np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+
+
+def test_reuse_with_whole_budget_equals_full_attention_and_compiles_once(tiny):
+    model, params, tokens = tiny
+    want, _ = _run(model, params, tokens, make_policy("full"), 120, 6)
+    policy = make_policy("mpcache", 1.0, refresh_every=4, **SMALL_LEVELS)
+    got, _ = _run(model, params, tokens, policy, 120, 6, check_one_compile=True)
+    assert np.abs(got - want).max() <= 1e-5
+
+
+def test_reuse_changes_outputs_only_between_refreshes(tiny):
+    model, params, tokens = tiny
+    every, _ = _run(model, params, tokens, make_policy("mpcache", 24, **SMALL_LEVELS), 120, 6)
+    reuse, _ = _run(model, params, tokens,
+                    make_policy("mpcache", 24, refresh_every=6, **SMALL_LEVELS), 120, 6)
+    assert np.abs(reuse[0] - every[0]).max() <= 1e-5     # step 0 selects in both
+    assert np.abs(reuse[1:] - every[1:]).max() > 1e-4     # later steps keep step 0's choice
+
+
+@pytest.mark.parametrize("value", [0, -2, True, 1.5, "4"])
+def test_refresh_every_must_be_a_positive_integer(value):
+    with pytest.raises(ValueError, match="refresh_every"):
+        make_policy("mpcache", 0.1, refresh_every=value)
+
+
+def test_reuse_needs_a_dynamic_selection_and_a_budget_within_the_prompt(tiny):
+    with pytest.raises(ValueError, match="refresh_every"):
+        make_policy("mpcache", 0.1, static=True, dynamic=False, refresh_every=4)
+    model, params, tokens = tiny
+    cache = model.init_cache(124)
+    _, cache, aux = model.prefill(params, tokens[:120], cache)
+    with pytest.raises(ValueError, match="working set larger than the prompt"):
+        compress_cache(make_policy("mpcache", 128, refresh_every=4, **SMALL_LEVELS), cache,
+                       aux, 4)
+
+
+def test_default_mpcache_keeps_the_dense_prompt_without_votes(tiny):
+    """Without static eviction nothing votes: no prompt queries, and the prompt region of a
+    bucketed prompt is the dense cache (no compaction) with the padding marked invalid."""
+    model, params, tokens = tiny
+    policy = make_policy("mpcache", 0.2, **SMALL_LEVELS)
+    assert not policy.needs_queries
+    assert make_policy("mpcache_paper", 0.2).needs_queries
+    cache = model.init_cache(136)
+    _, dense, aux = model.prefill(params, np.append(tokens[:100], [0] * 28), cache,
+                                  length=100, min_length=97)
+    layers = compress_cache(policy, dense, aux, 8)
+    for layer, kv in zip(layers, dense):
+        np.testing.assert_array_equal(np.asarray(layer.k[:, :128]), np.asarray(kv.k[:, :128]))
+        np.testing.assert_array_equal(np.asarray(layer.valid[0]),
+                                      (np.arange(layer.k.shape[1]) < 100).astype(np.float32))

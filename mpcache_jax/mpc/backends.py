@@ -340,33 +340,62 @@ _VALUE = re.compile(r"%[\w]+(?:#\d+)?")
 def secret_reveals(ir: str) -> list[str]:
     """Lines of a compiled pphlo module where a secret operand yields a public result (a
     reveal inside the program), plus any explicit reveal custom call. Empty = the program only
-    makes public what was public on input."""
-    secret: set[str] = set()
+    makes public what was public on input.
+
+    Value names are scoped by region: the branches of a `pphlo.if` (and other region ops)
+    number their values anew, and the enclosing region reuses those numbers after it closes.
+    A region op's results get their types on the line that closes its last region."""
+    scopes: list[set[str]] = [set()]
+    pending: list[list[str]] = []     # results of open region ops, typed when they close
     bad = []
+
+    def is_secret(name: str) -> bool:
+        return any(name in scope for scope in scopes)
+
     for line in ir.splitlines():
-        if "func.func" in line or "reducer(" in line or line.strip().startswith("^"):
+        text = line.strip()
+        if text.startswith("}"):
+            if len(scopes) > 1:
+                scopes.pop()
+            if text.endswith("{"):            # "}, {": the next region of the same op
+                scopes.append(set())
+            elif pending and "->" in text:
+                results = pending.pop()
+                if "secret" in text.rsplit("->", 1)[1]:
+                    scopes[-1].update(results)
+            continue
+        if "func.func" in line or "reducer(" in line or text.startswith("^"):
+            if text.endswith("{"):
+                scopes.append(set())
             for name, typ in re.findall(r"(%\w+): (tensor<[^>]*(?:<[^>]*>)?[^>]*>)", line):
                 if "secret" in typ:
-                    secret.add(name)
+                    scopes[-1].add(name)
             continue
         if "reveal" in line:
-            bad.append(line.strip())
+            bad.append(text)
             continue
         m = _DEF.match(line)
         if not m:
+            if text.endswith("{"):
+                scopes.append(set())
             continue
         results = [r.split(":")[0].strip() for r in m["res"].split(",")]
         body = m["body"]
+        if text.endswith("({"):                # a region op: typed when its regions close
+            pending.append(results)
+            scopes.append(set())
+            continue
         type_part = body.rsplit("->", 1)[1] if "->" in body else body.rsplit(" : ", 1)[-1]
         operands = [v.split("#")[0] for v in _VALUE.findall(body.split(" : ")[0])]
-        secret_in = any(v in secret for v in operands)
+        if body.startswith("pphlo.broadcast_as"):
+            operands = operands[:1]   # the second operand only lends its shape
+        secret_in = any(is_secret(v) for v in operands)
         result_types = re.findall(r"tensor<[^ ]*", type_part)
         if "secret" in type_part:
-            secret.update(results)
+            scopes[-1].update(results)
         if secret_in and any("secret" not in t for t in result_types):
-            bad.append(line.strip())
+            bad.append(text)
     return bad
-
 
 
 def output_visibility(ir: str) -> list[str]:

@@ -31,6 +31,8 @@ from mpcache_jax.policy import AttentionPolicy, PrefillAux
 class PrunedLayer:
     """k, v: [H_kv, S, d] kept prompt tokens (S static, padded); valid: [H_kv, S] 0/1;
     new: LayerKV [H_kv, max_new, d] of generated tokens; extras: policy-specific pytree;
+    working: the selected prompt tokens gathered at the last refresh (`WorkingSet`, policies
+    that reuse a selection over several decode steps) or None;
     prompt_len, kept: static prompt slots T and number of kept prompt tokens (for a bucketed
     prompt: the bucket's capacity and the largest kept count; `length` is then the int32
     number of real prompt tokens and `low` the bucket's smallest length)."""
@@ -44,6 +46,7 @@ class PrunedLayer:
     kept: int = flax.struct.field(pytree_node=False, default=0)
     length: jax.Array | None = None
     low: int = flax.struct.field(pytree_node=False, default=1)
+    working: "WorkingSet | None" = None
 
     def extent(self) -> E.Extent:
         """The prompt's extent (static or runtime length)."""
@@ -212,6 +215,84 @@ def attend_selected(q, k, v, valid, new: LayerKV, onehot, cluster_size: int, sta
     head, picked, tail, p_new = jnp.split(probs, sizes, axis=-1)
     p_all = jnp.concatenate([head, put_back(picked), tail, p_new], axis=-1)  # [H_kv, G, S + N]
     return jnp.einsum("kgs,ksd->kgd", p_all, v_all).reshape(q.shape)
+
+
+@flax.struct.dataclass
+class WorkingSet:
+    """The prompt tokens decode steps attend to between two selections (temporal reuse): a
+    selection gathers them once into a compact buffer, and the steps until the next one attend
+    to it and to the generated tokens, never to the whole prompt region.
+
+    k, v: [H_kv, n, d] the selected tokens' keys/values; valid: int32 [R, n] 0/1 (rows past a
+    runtime count, or padding slots, are 0); slot: int32 [R, n] the prompt-region slot each
+    row was gathered from. R = 1 (one selection shared by the heads) or H_kv. Under MPC
+    everything here is secret: it was gathered with a secret one-hot.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    slot: jax.Array
+
+    def attended_slots(self, num_kv_heads: int, region: int) -> jax.Array:
+        """0/1 int32 [H_kv, region]: the prompt-region slots this working set holds."""
+        hit = (self.slot[..., None] == jnp.arange(region)) & (self.valid[..., None] > 0)
+        held = jnp.max(hit.astype(jnp.int32), axis=-2)
+        return jnp.broadcast_to(held, (num_kv_heads, region))
+
+
+def empty_working_set(num_kv_heads: int, rows: int, tokens: int, head_dim: int,
+                      dtype=jnp.float32) -> WorkingSet:
+    """A working set of `tokens` empty rows ([H_kv, tokens, d] zeros; `rows` selection rows)."""
+    zeros = jnp.zeros((num_kv_heads, tokens, head_dim), dtype)
+    empty = jnp.zeros((rows, tokens), jnp.int32)
+    return WorkingSet(zeros, zeros, empty, empty)
+
+
+def gather_working_set(chain, k: jax.Array, v: jax.Array, valid: jax.Array,
+                       cluster_size: int) -> WorkingSet:
+    """Gather the clusters a selection picks into a `WorkingSet`.
+
+    chain: a selection over the C = S / cluster_size clusters of the region
+    (`primitives.chain_pick`: its levels' one-hots, [R, n, C] composed); k, v: [H_kv, S, d];
+    valid: [S] or [R', S] 0/1 (public). Keys and values go through the chain together, one
+    one-hot product per level; a selection shared by the heads (R = 1) moves every head's
+    rows at once (heads folded into the row width). The valid mask and slot numbers go
+    through the same one-hots as a public operand (a local product under MPC).
+    """
+    Hkv, S, d = k.shape
+    chain = P.as_chain(chain)
+    n, C = P.chain_shape(chain)
+    if C * cluster_size != S:
+        raise ValueError(f"{C} clusters of {cluster_size} do not tile a region of {S} slots")
+    rows = chain[0].shape[0]
+    kv = jnp.concatenate([k, v], axis=-1)                                    # [H_kv, S, 2d]
+    if rows == 1 and Hkv > 1:
+        wide = kv.transpose(1, 0, 2).reshape(1, S, Hkv * 2 * d)
+        picked = P.chain_pick(chain, wide).reshape(n * cluster_size, Hkv, 2 * d)
+        picked = picked.transpose(1, 0, 2)                                   # [H_kv, n*s, 2d]
+    else:
+        picked = P.chain_pick(chain, kv)                                     # [H_kv, n*s, 2d]
+    valid = jnp.asarray(valid)
+    valid = valid if valid.ndim == 2 else valid[None]
+    if not jnp.issubdtype(valid.dtype, jnp.integer):
+        valid = valid > 0.5            # public: a free comparison
+    slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), valid.shape)
+    public = jnp.stack([valid.astype(jnp.int32), slots], axis=-1)            # [R', S, 2]
+    meta = P.chain_pick(chain, public)                                       # [R, n*s, 2]
+    return WorkingSet(picked[..., :d], picked[..., d:], meta[..., 0], meta[..., 1])
+
+
+def attend_working_set(q: jax.Array, working: WorkingSet, new: LayerKV,
+                       normalize: str = "reciprocal") -> jax.Array:
+    """Attention over a working set plus every generated token. q: [H, d] -> [H, d]."""
+    Hkv, n, _ = working.k.shape
+    valid = jnp.concatenate([
+        jnp.broadcast_to(working.valid, (Hkv, n)),
+        jnp.broadcast_to(new.valid().astype(jnp.int32), (Hkv, new.capacity))], axis=1)
+    return attention.decode_attention(q, jnp.concatenate([working.k, new.k], axis=1),
+                                      jnp.concatenate([working.v, new.v], axis=1), valid,
+                                      normalize)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,8 +40,10 @@ from mpcache_jax import attention
 from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import append_token
-from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_selected,
-                                       attend_with_new, window_attention_mass)
+from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, WorkingSet,
+                                       attend_selected, attend_with_new, attend_working_set,
+                                       empty_working_set, gather_working_set, new_region,
+                                       prompt_kv, window_attention_mass)
 
 SIMILARITIES = ("exact", "alpha", "mp", "avg")
 SELECT_SCOPES = ("auto", "layer", "head")
@@ -91,10 +93,16 @@ class MPCache(PromptEvictionPolicy):
       "head" (one per KV head, the paper) or "auto" (per head on models with at most
       AUTO_HEAD_MAX_KV_HEADS KV heads, else per layer: `scope_for`).
     share_group, share_from: cross-layer index sharing (1 = every layer selects).
+    refresh_every: select anew every this many decode steps (the first decode step always
+      selects). 1 = every step, picking the selected clusters' attention scores out of scores
+      over the whole region. Above 1 a selection gathers the chosen tokens' keys and values
+      into a compact `WorkingSet`, and the steps until the next selection attend to it and the
+      generated tokens only: their cost follows the budget, not the cache. The schedule is
+      public (it counts generated tokens), so it reveals nothing.
     """
 
     name: str = "mpcache"
-    needs_queries: bool = True
+    needs_queries: bool = True    # set from `static` (only static eviction votes with them)
     topk_method: str = "rank"
     static_keep: float | int | None = None
     static: bool = False
@@ -114,9 +122,18 @@ class MPCache(PromptEvictionPolicy):
     share_group: int = 1
     share_from: int = 2
     share_static: bool = True
+    refresh_every: int = 1
 
     def __post_init__(self):
         super().__post_init__()
+        object.__setattr__(self, "needs_queries", bool(self.static))
+        if (isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int)
+                or self.refresh_every < 1):
+            raise ValueError(f"refresh_every={self.refresh_every!r} must be an integer >= 1 "
+                             "(decode steps between two selections; 1 = select at every step)")
+        if self.refresh_every > 1 and not self.dynamic:
+            raise ValueError("refresh_every > 1 reuses a dynamic selection; static-only MPCache "
+                             "(dynamic=False) has none: leave refresh_every at 1")
         if not (self.static or self.dynamic):
             raise ValueError("MPCache needs static or dynamic eviction (or both); for no eviction "
                              "use the 'full' policy")
@@ -184,6 +201,11 @@ class MPCache(PromptEvictionPolicy):
     @property
     def sizes(self) -> list[int]:
         return [lv[0] for lv in self.levels]
+
+    @property
+    def reuses(self) -> bool:
+        """Whether decode steps reuse a gathered working set between selections."""
+        return self.dynamic and self.refresh_every > 1
 
     @property
     def static_per_head(self) -> bool:
@@ -276,6 +298,50 @@ class MPCache(PromptEvictionPolicy):
                     "static_sinks/static_recent/static_cluster")
         if self.dynamic:
             self.level_counts(self.kept_count(prompt_len), P.budget_tokens(self.budget, prompt_len))
+        if self.reuses and isinstance(self.budget, int) and self.budget > prompt_len:
+            raise ValueError(f"budget={self.budget} tokens: a working set larger than the "
+                             f"prompt's {prompt_len} tokens; lower the budget (or give a ratio)")
+
+    # --- the decode cache ------------------------------------------------------------------
+    def prompt_keep(self, cache, aux):
+        if self.static:
+            return super().prompt_keep(cache, aux)
+        extent = E.of(aux)   # nothing is evicted: every real prompt token stays
+        return [(jnp.asarray(extent.valid()),) + self.layer_count(extent, len(cache), index)
+                for index in range(len(cache))]
+
+    def compress(self, cache, aux, max_new_tokens: int):
+        if self.static:
+            layers = super().compress(cache, aux, max_new_tokens)
+        else:
+            # The prompt region is the dense prefill cache as it is (padded to whole coarse
+            # clusters): no votes and no compaction, whose one-hot over a bucket's slots grows
+            # with the square of the prompt.
+            extent = E.of(aux)
+            T = extent.capacity
+            if extent.static:
+                self.check_prompt(T)
+            pad = self.region_capacity(T, T) - T
+            valid = np.pad(np.ones(T, np.float32), (0, pad)) if extent.static else \
+                jnp.pad(extent.valid(), (0, pad))
+            layers = []
+            for layer in cache:
+                k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in prompt_kv(layer, T))
+                region_valid = jnp.broadcast_to(jnp.asarray(valid, k.dtype), k.shape[:2])
+                layers.append(PrunedLayer(
+                    k, v, region_valid, new_region(layer, max_new_tokens),
+                    self.layer_extras(k, region_valid), prompt_len=T, kept=T,
+                    length=None if extent.static else extent.length, low=extent.low))
+            layers = tuple(layers)
+        if not self.reuses:
+            return layers
+        return tuple(layer.replace(working=self._empty_working_set(layer)) for layer in layers)
+
+    def _empty_working_set(self, state: PrunedLayer) -> WorkingSet:
+        Hkv, _, d = state.k.shape
+        _, bounds, _ = self.selection_counts(state.extent())
+        rows = 1 if self.scope_for(Hkv) == "layer" else Hkv
+        return empty_working_set(Hkv, rows, bounds[-1] * self.sizes[-1], d, state.k.dtype)
 
     # --- static eviction -------------------------------------------------------------------
     def vote_window(self, prompt_len: int) -> int:
@@ -508,11 +574,38 @@ class MPCache(PromptEvictionPolicy):
             return self.select_chain(q, state, scores)
         return carry
 
+    def working_set(self, layer, q, state: PrunedLayer, carry) -> tuple[WorkingSet, tuple]:
+        """(the working set this decode step attends to, carry). A refresh step (every
+        `refresh_every`-th, counted by the public number of generated tokens) selects and
+        gathers anew; the others keep the last one. The choice is a `lax.cond` on a public
+        predicate: XLA and SPU both run only the branch taken."""
+        valid = state.valid if self.static_per_head else state.valid[:1]
+
+        def fresh(carry):
+            scores = None
+            if self.similarity == "exact":
+                scores = attention.grouped_scores(q, state.k)                 # [H_kv, G, S]
+            chain = self.selection(layer, q, state, carry, scores)
+            return gather_working_set(chain, state.k, state.v, valid, self.sizes[-1]), chain
+
+        chain_shape = jax.eval_shape(lambda c: fresh(c)[1], carry)
+
+        def keep(carry):
+            return state.working, jax.tree_util.tree_map(
+                lambda x: jnp.zeros(x.shape, x.dtype), chain_shape)
+
+        refresh = state.new.length % self.refresh_every == 0
+        return jax.lax.cond(refresh, fresh, keep, carry)
+
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
         new = append_token(state.new, k_new, v_new)
         if not self.dynamic:
             out = attend_with_new(q, state.k, state.v, state.valid, new, self.softmax)
             return out, state.replace(new=new), carry
+        if self.reuses:
+            working, carry = self.working_set(layer, q, state, carry)
+            out = attend_working_set(q, working, new, self.softmax)
+            return out, state.replace(new=new, working=working), carry
         scores_all = None
         if self.similarity == "exact":   # one score matmul serves selection and attention
             scores_all = attention.grouped_scores(q, jnp.concatenate([state.k, new.k], axis=1))
@@ -525,6 +618,10 @@ class MPCache(PromptEvictionPolicy):
     def attended_slots(self, layer, q, state: PrunedLayer, carry) -> jax.Array:
         if not self.dynamic:
             return super().attended_slots(layer, q, state, carry)
+        if self.reuses:
+            working, _ = self.working_set(layer, q, state, carry)
+            slots = working.attended_slots(*state.k.shape[:2])
+            return slots * (state.valid > 0.5).astype(slots.dtype)
         chosen = P.chain_dense(self.selection(layer, q, state, carry))
         clusters = jnp.sum(chosen, axis=1)                                     # [H_kv, C]
         slots = jnp.repeat(clusters, self.sizes[-1], axis=-1)
