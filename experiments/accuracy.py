@@ -93,6 +93,7 @@ def parse_tasks(values: list[str]) -> list[str]:
 
 
 def make_samples(FLAGS, task: str, tokenizer, lengths: list[int], depths: list[float]):
+    """The task's samples at `lengths` (already within the model's context: `prompt_lengths`)."""
     common_args = dict(num_samples=FLAGS.num_samples, seed=FLAGS.seed)
     if task == "passkey":
         return list(tasks.passkey(tokenizer, lengths=lengths, depths=depths, **common_args))
@@ -111,25 +112,59 @@ def make_samples(FLAGS, task: str, tokenizer, lengths: list[int], depths: list[f
                                                       **common_args))
     return list(tasks.longbench_jsonl(tokenizer, data_path=FLAGS.data_path,
                                       num_samples=FLAGS.num_samples, max_length=max(lengths),
-                                      metric=FLAGS.metric))
+                                      metric=FLAGS.metric))   # cut as LongBench: head and tail
 
 
 def evaluate_sample(loaded, sample, policies, FLAGS):
     """All policies on one prefill of the sample -> list of per-sample records (task score,
-    agreement and KL with the full cache, mechanism metrics; experiments/fidelity.py)."""
-    return fidelity.evaluate_policies(loaded, sample, policies,
-                                      max_new_tokens=FLAGS.max_new_tokens,
-                                      agree_tokens=FLAGS.agree_tokens,
-                                      with_mechanism=FLAGS.mechanism,
-                                      bucket=sample_bucket(sample, FLAGS))
+    agreement and KL with the full cache, mechanism metrics; experiments/fidelity.py). A
+    sample that cannot be run (e.g. its prompt and new tokens do not fit the model's context)
+    gives one `skipped` record per policy with the reason: it never ends the run."""
+    context = loaded.model.cfg.max_position
+    try:
+        if len(sample.prompt_ids) + new_tokens(sample, FLAGS) > context:
+            raise ValueError(f"{len(sample.prompt_ids)} prompt + {new_tokens(sample, FLAGS)} new "
+                             f"tokens exceed the model's context of {context}")
+        return fidelity.evaluate_policies(loaded, sample, policies,
+                                          max_new_tokens=FLAGS.max_new_tokens,
+                                          agree_tokens=FLAGS.agree_tokens,
+                                          with_mechanism=FLAGS.mechanism,
+                                          bucket=sample_bucket(sample, FLAGS, context))
+    except ValueError as err:
+        tqdm.write(f"skipped sample {sample.task}/{sample.sample_id}: {err}")
+        return [{"task": sample.task, "sample_id": sample.sample_id, "policy": label,
+                 "budget": budget, "metric": sample.metric, "prompt_tokens":
+                 len(sample.prompt_ids), "skipped": f"sample: {err}"}
+                for label, budget, _ in policies]
 
 
-def sample_bucket(sample, FLAGS) -> tuple[int, int] | None:
+def new_tokens(sample, FLAGS) -> int:
+    """Tokens decoded after the sample's prompt: its target (perplexity) or the generation."""
+    return len(sample.target_ids) if sample.metric == "ppl" else FLAGS.max_new_tokens
+
+
+def sample_bucket(sample, FLAGS, context: int) -> tuple[int, int] | None:
     """(smallest length, capacity) of the sample's bucket, or None (--buckets= empty: every
-    prompt length compiles its own programs)."""
+    prompt length compiles its own programs). A bucket never leaves less room than the
+    sample's new tokens before the model's `context`: its capacity is capped there."""
     if not FLAGS.buckets:
         return None
-    return bucket_of(len(sample.prompt_ids), parse_numbers("buckets", FLAGS.buckets, int))
+    low, capacity = bucket_of(len(sample.prompt_ids), parse_numbers("buckets", FLAGS.buckets, int))
+    return low, min(capacity, context - new_tokens(sample, FLAGS))
+
+
+def prompt_lengths(lengths: list[int], steps: int, context: int, model: str) -> list[int]:
+    """--lengths within the model's context: a length whose prompt leaves no room for `steps`
+    new tokens is cut to context - steps (as LongBench truncates), one beyond the context is
+    an error naming the flag."""
+    too_long = [n for n in lengths if n > context]
+    if too_long:
+        raise ValueError(f"--lengths={','.join(map(str, lengths))}: {too_long[0]} exceeds "
+                         f"{model}'s context of {context} tokens")
+    if steps >= context:
+        raise ValueError(f"{steps} new tokens (--max_new_tokens / --ppl_target_len) leave no room "
+                         f"for a prompt in {model}'s context of {context} tokens")
+    return sorted({min(n, context - steps) for n in lengths})
 
 
 def compilations() -> dict[str, int]:
@@ -161,15 +196,6 @@ def release_compiled_programs() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):   # not glibc: nothing to trim
         pass
-
-
-def resident_mb() -> float:
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
-    except (OSError, ValueError):
-        return float("nan")
 
 
 def record_key(task: str, sample_id: str, policy: str, budget) -> tuple:
@@ -228,6 +254,8 @@ def aggregate(sample_records, FLAGS):
         ran = [r for r in records if "skipped" not in r]
         means = {field: float(np.mean([r.get(field, np.nan) for r in ran])) if ran else
                  float("nan") for field in FIDELITY_FIELDS}
+        peaks = [r["peak_rss_mb"] for r in ran if "peak_rss_mb" in r]
+        means["peak_rss_mb"] = float(np.max(peaks)) if peaks else float("nan")
         out.append({"task": task, "policy": policy, "budget": budget, **means, "n": len(ran),
                     "skipped": len(records) - len(ran), "model": FLAGS.model,
                     "git_commit": commit, "config": config})
@@ -268,7 +296,8 @@ def _write_csv(rows: list[dict], columns: list[str], path) -> None:
 
 def write_summary(results, path):
     rows = sorted(results, key=lambda r: (r["task"], r["policy"], str(r["budget"])))
-    write_csv(rows, ["task", "policy", "budget", *FIDELITY_FIELDS, "n", "skipped"], path)
+    write_csv(rows, ["task", "policy", "budget", *FIDELITY_FIELDS, "peak_rss_mb", "n", "skipped"],
+              path)
 
 
 METRIC_LABELS = {"score": "score", "agree": "greedy agreement with full",
@@ -394,13 +423,21 @@ def run(FLAGS) -> None:
     settings = record_settings(FLAGS)
     settings_hash = common.config_hash(settings)
     all_records = load_finished(out, settings) if FLAGS.resume else []
+    context = registry.get_config(FLAGS.model, FLAGS.num_layers).max_position
+    steps = max(FLAGS.max_new_tokens, FLAGS.ppl_target_len if
+                {"ppl", "continuation"} & set(task_names) else 0)
+    fitted = prompt_lengths(lengths, steps, context, FLAGS.model)   # before any work
     loaded = common.with_model_numerics(
         registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
                       seed=FLAGS.seed, num_layers=FLAGS.num_layers), FLAGS)
     if loaded.tokenizer is None:
         raise SystemExit(f"model {FLAGS.model!r} has no tokenizer; accuracy runs need a real model")
+    context = loaded.model.cfg.max_position
+    if fitted != sorted(lengths):
+        print(f"prompt lengths {fitted}: --lengths cut to leave room for {steps} new tokens in "
+              f"{FLAGS.model}'s context of {context}")
     samples = [sample for task in task_names
-               for sample in make_samples(FLAGS, task, loaded.tokenizer, lengths, depths)]
+               for sample in make_samples(FLAGS, task, loaded.tokenizer, fitted, depths)]
     # Records go to samples.jsonl.partial while the run lasts; the previous run's files stay as
     # they were until this run has finished and replaces them all (a failed run mixes nothing).
     samples_path = out / "samples.jsonl.partial"
@@ -436,9 +473,9 @@ def run(FLAGS) -> None:
         if len(chunks) > 1:
             release_compiled_programs()
             tqdm.write(f"policy group {number}/{len(chunks)} done; resident memory "
-                       f"{resident_mb():.0f} MB")
+                       f"{common.resident_mb():.0f} MB")
     bar.close()
-    buckets = sorted({sample_bucket(s, FLAGS) for s in samples}, key=str)
+    buckets = sorted({sample_bucket(s, FLAGS, context) for s in samples}, key=str)
     print(f"compilations: {dict(compiled)} for {len(policies)} policy x budget programs and "
           f"{len(buckets)} prompt shape(s) {buckets if FLAGS.buckets else '(exact lengths)'}")
     if warm_s:
@@ -471,11 +508,12 @@ def run(FLAGS) -> None:
 def print_table(results, mechanism_rows) -> None:
     width = max([len("task")] + [len(r["task"]) for r in results]) + 2
     print(f"\n{'task':<{width}}{'policy':<22}{'budget':>7}{'score':>8}{'full':>8}{'agree':>7}"
-          f"{'prefix':>8}{'kl':>8}{'n':>4}")
+          f"{'prefix':>8}{'kl':>8}{'peak MB':>9}{'n':>4}{'skip':>5}")
     for r in sorted(results, key=lambda r: (r["task"], r["policy"], str(r["budget"]))):
         print(f"{r['task']:<{width}}{r['policy']:<22}{r['budget']!s:>7}{r['score']:>8.3f}"
               f"{r['full_score']:>8.3f}{r['agree']:>7.2f}{r['agree_prefix']:>8.2f}"
-              f"{r['kl']:>8.3f}{r['n']:>4}")
+              f"{r['kl']:>8.3f}{r.get('peak_rss_mb', float('nan')):>9.0f}{r['n']:>4}"
+              f"{r.get('skipped', 0):>5}")
     if mechanism_rows:
         print(f"\n{'mechanism: task':<16}{'policy':<22}{'budget':>7}{'survive':>9}{'select':>8}"
               f"{'n':>4}  (means over layers)")

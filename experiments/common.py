@@ -96,3 +96,37 @@ def _json_default(value):
     if isinstance(value, np.ndarray):
         return value.tolist()
     return str(value)
+
+
+def resident_mb() -> float:
+    """This process's resident memory now (MB), NaN where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak-memory window: Linux resets the process's high-water mark (VmHWM) to
+    its current resident memory when 5 is written to /proc/self/clear_refs."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    """The most resident memory (MB) since the last `reset_peak_rss` (or the process start),
+    NaN where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1e3
+    except (OSError, ValueError):
+        pass
+    return float("nan")
+

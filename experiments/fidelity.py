@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import metrics
+from experiments import common, metrics
 from mpcache_jax import analysis
 from mpcache_jax.generate import apply_policy
 
@@ -165,9 +165,11 @@ def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_to
     forced = sample.metric == "ppl"
     steps = len(sample.target_ids) if forced else max_new_tokens
     need_queries = any(p.needs_queries for _, _, p in policies)
+    common.reset_peak_rss()      # the reference's window: prefill + full's decoding
     logits, dense, aux = prefill_prompt(model, params, sample.prompt_ids, steps, need_queries,
                                         bucket=bucket)
     T = len(sample.prompt_ids)
+    prefill_peak = common.peak_rss_mb()
     reference_cache = apply_policy(FULL, dense, aux, steps)
     if forced:
         ref = Reference(list(sample.target_ids),
@@ -181,9 +183,11 @@ def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_to
         ref_text = tok.decode(ref.tokens)
         ref_score = metrics.score(sample.metric, ref_text, sample.answers)
     step = None if forced else answer_step(tok, ref.tokens, sample.answers)
+    reference_peak = common.peak_rss_mb()
     records = []
     for label, budget, policy in policies:
         start = time.perf_counter()
+        common.reset_peak_rss()  # this policy's window: its compression + decoding
         base = {"task": sample.task, "sample_id": sample.sample_id, "policy": label,
                 "budget": budget, "metric": sample.metric, "prompt_tokens": T,
                 "answers": sample.answers, "full_score": ref_score, **sample.meta}
@@ -194,7 +198,7 @@ def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_to
             continue
         if policy is FULL or policy.name == "full":
             result = {"score": ref_score, "output": ref_text, "agree": 1.0, "agree_prefix": 1.0,
-                      "kl": 0.0}
+                      "kl": 0.0, "peak_rss_mb": reference_peak}
         else:
             cache = apply_policy(policy, dense, aux, steps)
             if forced:
@@ -208,6 +212,8 @@ def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_to
                 result = {"score": metrics.score(sample.metric, text, sample.answers),
                           "output": text, "agree": run["agree"],
                           "agree_prefix": run["agree_prefix"], "kl": run["kl"]}
+        # A run of this policy alone: the shared prefill's peak or its own, whichever is higher.
+        result.setdefault("peak_rss_mb", max(prefill_peak, common.peak_rss_mb()))
         record = {**base, **result, "decode_s": round(time.perf_counter() - start, 3)}
         if (with_mechanism and sample.answer_spans and not forced and
                 analysis.supports_mechanism(policy)):

@@ -74,3 +74,57 @@ def test_bucketed_prefill_checks_the_length(llama):
     model, params, tokens = llama
     with pytest.raises(ValueError, match="outside its bucket"):
         prefill_prompt(model, params, tokens[:40], 2, bucket=BUCKET)
+
+
+def test_bucketed_reuse_policy_decodes_like_the_unpadded_one(llama):
+    """A working set refreshed every other step, on a bucketed prompt."""
+    model, params, tokens = llama
+    policy = make_policy("mpcache", 0.5, refresh_every=2)
+    want = _run(model, params, tokens, 100, policy, None)
+    got = _run(model, params, tokens, 100, policy, BUCKET)
+    assert np.abs(got - want).max() <= 1e-5
+
+
+# ----- the accuracy harness at the model's context ---------------------------------------------
+def test_lengths_leave_room_for_new_tokens_and_beyond_the_context_are_refused():
+    from experiments.accuracy import prompt_lengths
+    assert prompt_lengths([4096, 8160, 8192], 24, 8192, "m") == [4096, 8160, 8168]
+    assert prompt_lengths([512, 1024], 24, 8192, "m") == [512, 1024]
+    with pytest.raises(ValueError, match="--lengths=1024,9000: 9000 exceeds m's context of 8192"):
+        prompt_lengths([1024, 9000], 24, 8192, "m")
+    with pytest.raises(ValueError, match="leave no room"):
+        prompt_lengths([512], 600, 512, "m")
+
+
+def _flags(**overrides):
+    from types import SimpleNamespace
+    defaults = dict(buckets=["512", "1024", "4096", "8192"], max_new_tokens=24, agree_tokens=16,
+                    mechanism=False)
+    return SimpleNamespace(**{**defaults, **overrides})
+
+
+def test_a_bucket_never_leaves_less_room_than_the_new_tokens():
+    from experiments.accuracy import sample_bucket
+    from experiments.tasks import Sample
+    sample = Sample("qa", "0", [1] * 4400, ["x"], "qa_f1")
+    assert sample_bucket(sample, _flags(), 8192) == (4097, 8168)
+    assert sample_bucket(sample, _flags(), 16384) == (4097, 8192)
+    ppl = Sample("continuation", "1", [1] * 600, [], "ppl", target_ids=[2] * 64)
+    assert sample_bucket(ppl, _flags(), 1000) == (513, 936)
+    assert sample_bucket(sample, _flags(buckets=[]), 8192) is None
+
+
+def test_a_sample_that_does_not_fit_is_skipped_and_counted(llama):
+    """A prompt whose new tokens would run past the context is recorded as skipped (one record
+    per policy, with the reason) and the run goes on."""
+    from experiments.accuracy import evaluate_sample
+    from experiments.tasks import Sample
+    from models.catalog import LoadedModel
+    model, params, _ = llama
+    loaded = LoadedModel(model, params)
+    context = model.cfg.max_position
+    sample = Sample("qa", "7", [1] * (context - 10), ["x"], "qa_f1")
+    policies = [("full", None, make_policy("full")), ("mpcache", 0.1, make_policy("mpcache", 0.1))]
+    records = evaluate_sample(loaded, sample, policies, _flags())
+    assert [r["policy"] for r in records] == ["full", "mpcache"]
+    assert all(f"exceed the model's context of {context}" in r["skipped"] for r in records)
