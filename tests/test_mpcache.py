@@ -393,9 +393,9 @@ def test_group_reduce_changes_the_selection_only_with_query_groups():
 
 
 # ----- temporal reuse: a working set gathered on refresh steps ------------------------------------
-def _reuse_pair(scope, refresh_every=3, fresh_levels=0):
+def _reuse_pair(scope, refresh_every=3):
     reuse = make_policy("mpcache", 16, select_scope=scope, refresh_every=refresh_every,
-                        fresh_levels=fresh_levels, **SMALL_LEVELS)
+                        **SMALL_LEVELS)
     return reuse, make_policy("mpcache", 16, select_scope=scope, **SMALL_LEVELS)
 
 
@@ -437,46 +437,6 @@ def test_reuse_selects_on_refresh_steps_and_keeps_the_working_set_between(scope)
         p /= p.sum(-1, keepdims=True)
         want = np.einsum("kgs,ksd->kgd", p, keys).reshape(Hkv * G, d)
         np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
-
-
-@pytest.mark.parametrize("scope", ["head", "layer"])
-def test_fresh_levels_select_inside_the_working_set_at_every_step(scope):
-    """fresh_levels=1: refresh steps gather the coarse level's clusters (equal to the
-    every-step policy there); every step picks its finest clusters among them by its own
-    scores, so it attends to the budget, all inside the held coarse clusters."""
-    reuse, every = _reuse_pair(scope, fresh_levels=1)
-    rng = np.random.RandomState(1)
-    Hkv, G, S, d = 2, 2, 64, 8
-    k = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
-    state_every = prompt_state(k).replace(new=empty_layer(Hkv, 8, d))
-    state = state_every.replace(working=reuse._empty_working_set(state_every))
-    assert state.working.k.shape[1] == 32     # the coarse level's 4 clusters of 8 tokens
-    changed = False
-    for step in range(6):
-        q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
-        k_new = jnp.asarray(rng.randn(Hkv, d), jnp.float32)
-        attended = np.asarray(reuse.attended_slots(0, q, state, None))
-        want = np.asarray(every.attended_slots(0, q, state_every, None))
-        out, state, _ = reuse.attend(0, q, k_new, k_new, state, None)
-        ref, state_every, _ = every.attend(0, q, k_new, k_new, state_every, None)
-        held = np.asarray(state.working.attended_slots(Hkv, S))
-        assert attended.sum(axis=1).max() == 16 and (attended <= held).all()
-        if step % 3 == 0:
-            np.testing.assert_array_equal(attended, want)
-            assert float(jnp.abs(out - ref).max()) <= 1e-5
-            previous = attended
-        else:
-            changed |= not np.array_equal(attended, previous)
-    assert changed      # between refreshes the fine choice follows each step's query
-
-
-def test_fresh_levels_needs_reuse_and_exact_scores():
-    with pytest.raises(ValueError, match="fresh_levels"):
-        make_policy("mpcache", 0.1, fresh_levels=1)
-    with pytest.raises(ValueError, match="fresh_levels"):
-        make_policy("mpcache", 0.1, refresh_every=4, fresh_levels=1, similarity="alpha")
-    with pytest.raises(ValueError, match="fresh_levels"):
-        make_policy("mpcache", 0.1, refresh_every=4, fresh_levels=2)
 
 
 def test_reuse_with_whole_budget_equals_full_attention_and_compiles_once(tiny):

@@ -234,11 +234,9 @@ class WorkingSet:
     valid: jax.Array
     slot: jax.Array
 
-    def attended_slots(self, num_kv_heads: int, region: int, rows=None) -> jax.Array:
-        """0/1 int32 [H_kv, region]: the prompt-region slots this working set holds (only those
-        of its rows marked in `rows` [R, n] 0/1, when given)."""
-        held = self.valid if rows is None else self.valid * rows
-        hit = (self.slot[..., None] == jnp.arange(region)) & (held[..., None] > 0)
+    def attended_slots(self, num_kv_heads: int, region: int) -> jax.Array:
+        """0/1 int32 [H_kv, region]: the prompt-region slots this working set holds."""
+        hit = (self.slot[..., None] == jnp.arange(region)) & (self.valid[..., None] > 0)
         held = jnp.max(hit.astype(jnp.int32), axis=-2)
         return jnp.broadcast_to(held, (num_kv_heads, region))
 

@@ -64,36 +64,6 @@ def _is_ratio_or_count(value) -> bool:
     return isinstance(value, float) and 0.0 < value <= 1.0
 
 
-def exact_levels(token: jax.Array, sizes) -> list:
-    """Per level (cluster sizes `sizes`, coarse to fine, over the S slots of `token` [R, S]), a
-    function from candidate clusters (None: every cluster; or the chain of the levels above,
-    whose picks' children are the candidates) to their scores: each cluster's best token.
-
-    Maxima go finest first, each coarser level from the one below: the comparison tree is
-    log2(coarsest size) deep for all levels together, and a finer level's candidates gather
-    their precomputed maxima (one one-hot product) instead of their tokens to compare again.
-    """
-    R, S = token.shape
-    maxima = [jnp.max(token.reshape(R, S // sizes[-1], sizes[-1]), axis=-1)]     # [R, C_last]
-    for i in range(len(sizes) - 2, -1, -1):
-        finer = maxima[0]
-        maxima.insert(0, jnp.max(finer.reshape(R, S // sizes[i], sizes[i] // sizes[i + 1]),
-                                 axis=-1))                                         # [R, C_i]
-
-    def level(i):
-        def scores(child):
-            if child is None:
-                return maxima[i]                                                   # [R, C]
-            return P.chain_pick(child, maxima[i][..., None])[..., 0]               # [R, n]
-        return scores
-    return [level(i) for i in range(len(sizes))]
-
-
-def _first_rows(rows: int, k: int, n: int) -> jax.Array:
-    """The public selection of the first k of n candidates: int32 [rows, k, n]."""
-    return jnp.broadcast_to(jnp.eye(n, dtype=jnp.int32)[:k], (rows, k, n))
-
-
 @dataclasses.dataclass(frozen=True)
 class MPCache(PromptEvictionPolicy):
     """MPCache and, through its switches, every ablation of the paper's Figure 11.
@@ -153,7 +123,6 @@ class MPCache(PromptEvictionPolicy):
     share_from: int = 2
     share_static: bool = True
     refresh_every: int = 1
-    fresh_levels: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -165,14 +134,6 @@ class MPCache(PromptEvictionPolicy):
         if self.refresh_every > 1 and not self.dynamic:
             raise ValueError("refresh_every > 1 reuses a dynamic selection; static-only MPCache "
                              "(dynamic=False) has none: leave refresh_every at 1")
-        if (isinstance(self.fresh_levels, bool) or not isinstance(self.fresh_levels, int)
-                or not 0 <= self.fresh_levels < max(1, len(self.levels))):
-            raise ValueError(f"fresh_levels={self.fresh_levels!r} must be an integer in [0, "
-                             f"{len(self.levels) - 1}] (finest levels selected anew at every step "
-                             "inside the working set; at least one level is gathered)")
-        if self.fresh_levels and (self.refresh_every == 1 or self.similarity != "exact"):
-            raise ValueError("fresh_levels > 0 selects inside a gathered working set by the step's "
-                             "own scores: it needs refresh_every > 1 and similarity='exact'")
         if not (self.static or self.dynamic):
             raise ValueError("MPCache needs static or dynamic eviction (or both); for no eviction "
                              "use the 'full' policy")
@@ -245,11 +206,6 @@ class MPCache(PromptEvictionPolicy):
     def reuses(self) -> bool:
         """Whether decode steps reuse a gathered working set between selections."""
         return self.dynamic and self.refresh_every > 1
-
-    @property
-    def gathered_levels(self) -> int:
-        """Levels (coarse first) chosen on refresh steps, whose picks the working set holds."""
-        return len(self.levels) - self.fresh_levels
 
     @property
     def static_per_head(self) -> bool:
@@ -385,8 +341,7 @@ class MPCache(PromptEvictionPolicy):
         Hkv, _, d = state.k.shape
         _, bounds, _ = self.selection_counts(state.extent())
         rows = 1 if self.scope_for(Hkv) == "layer" else Hkv
-        last = self.gathered_levels - 1
-        return empty_working_set(Hkv, rows, bounds[last] * self.sizes[last], d, state.k.dtype)
+        return empty_working_set(Hkv, rows, bounds[-1] * self.sizes[-1], d, state.k.dtype)
 
     # --- static eviction -------------------------------------------------------------------
     def vote_window(self, prompt_len: int) -> int:
@@ -516,71 +471,81 @@ class MPCache(PromptEvictionPolicy):
             return [digest_level(i) for i in range(len(self.sizes))]
         if scores is None:
             scores = attention.grouped_scores(qg.reshape(-1, qg.shape[-1]), state.k)
-        return exact_levels(self.token_scores(scores, state.valid), self.sizes)
-
-    def token_scores(self, scores: jax.Array, valid: jax.Array) -> jax.Array:
-        """A token's selection score [R, S] from the step's attention scores [H_kv, G, S]: its
-        GQA group's best (or summed) q . k, summed over the KV heads for a per-layer
-        selection; slots where `valid` ([1 or H_kv, S] 0/1) is 0 score -EMPTY_BOUND."""
         reduce = jnp.max if self.group_reduce == "max" else jnp.sum
         token = reduce(scores, axis=1)                                        # [H_kv, S]
-        if self.scope_for(scores.shape[0]) == "layer":
+        if per_layer:
             token = jnp.sum(token, axis=0, keepdims=True)
-        valid = valid[:token.shape[0]]
-        return token * valid - P.EMPTY_BOUND * (1 - valid)                   # [R, S]
+        valid = state.valid[:token.shape[0]]
+        token = token * valid - P.EMPTY_BOUND * (1.0 - valid)                # [R, S]
+
+        # Cluster maxima finest first, each coarser level from the one below: the comparison
+        # tree is log2(coarsest size) deep for all levels together, and a finer level's
+        # candidates gather their precomputed maxima (one one-hot product) instead of their
+        # tokens to compare again.
+        R, sizes = token.shape[0], self.sizes
+        maxima = [jnp.max(token.reshape(R, S // sizes[-1], sizes[-1]), axis=-1)]   # [R, C_last]
+        for i in range(len(sizes) - 2, -1, -1):
+            finer = maxima[0]
+            maxima.insert(0, jnp.max(finer.reshape(R, S // sizes[i], sizes[i] // sizes[i + 1]),
+                                     axis=-1))                                     # [R, C_i]
+
+        def exact_level(i):
+            def level(child):
+                if child is None:
+                    return maxima[i]                                               # [R, C]
+                return P.chain_pick(child, maxima[i][..., None])[..., 0]           # [R, n]
+            return level
+        return [exact_level(i) for i in range(len(sizes))]
 
     def select(self, q, state: PrunedLayer, scores: jax.Array | None = None) -> jax.Array:
         """The composed selection: integer one-hot [R, k, C] over the finest clusters (rows in
         cluster order); R = H_kv, or 1 for a per-layer selection. q: [H, d]."""
         return P.chain_dense(self.select_chain(q, state, scores))
 
-    def select_chain(self, q, state: PrunedLayer, scores: jax.Array | None = None,
-                     levels: int | None = None) -> tuple:
+    def select_chain(self, q, state: PrunedLayer, scores: jax.Array | None = None) -> tuple:
         """Hierarchical selection as its levels' one-hots, coarse to fine (`primitives.chain_*`):
         ([R, k_0, C_0], [R, k_1, k_0 * r_1], ...), level i choosing among the r_i children of
-        the clusters chosen above; `levels`: only the first this many (default all). Masks and
-        one-hots are integers built from comparisons: under MPC none of them needs a
-        truncation, and nothing composes them."""
+        the clusters chosen above. Masks and one-hots are integers built from comparisons:
+        under MPC none of them needs a truncation, and nothing composes them."""
         Hkv, S, _ = state.k.shape
         qg = q.reshape(Hkv, q.shape[0] // Hkv, q.shape[-1])
         level_scores = self.level_scores(qg, state, scores)
         R = 1 if self.scope_for(Hkv) == "layer" else Hkv   # rows that select
+        sizes = self.sizes
         extent = state.extent()
         counts, bounds, valid = self.selection_counts(extent)
-        total = S // self.sizes[0]
+        total = [S // s for s in sizes]
+        dtype = jnp.int32
+        exact = extent.static   # static counts: the shortcuts below keep the program minimal
+
+        def first_rows(k, n):   # public: the first k of n candidates
+            return jnp.broadcast_to(jnp.eye(n, dtype=dtype)[:k], (R, k, n))
+
         # Level 0: every cluster of the kept region is a candidate.
         k0 = counts[0]
-        if extent.static and k0 == valid[0]:
-            chain = (_first_rows(R, k0, total),)
+        if exact and k0 == valid[0]:
+            chain = (first_rows(k0, total[0]),)
         else:
-            forced = E.union(E.at(total, 0), E.at(total, valid[0] - 1))
-            mask = P.topk_mask(level_scores[0](None), k0, valid=E.iota_lt(total, valid[0]),
-                               forced=forced, method=self.topk_method, dtype=jnp.int32,
+            forced = E.union(E.at(total[0], 0), E.at(total[0], valid[0] - 1))
+            mask = P.topk_mask(level_scores[0](None), k0, valid=E.iota_lt(total[0], valid[0]),
+                               forced=forced, method=self.topk_method, dtype=dtype,
                                k_max=bounds[0])
             chain = (P.mask_onehot(mask, bounds[0]),)                      # [R, k0, C0]
-        stop = len(self.sizes) if levels is None else levels
-        return self._refine(chain, level_scores, 1, stop, R, extent)
 
-    def _refine(self, chain: tuple, level_scores, start: int, stop: int, R: int,
-                extent: E.Extent) -> tuple:
-        """Levels start..stop-1 after `chain` (the levels above; empty when the candidates of
-        level `start` are every cluster of a working set holding level start-1's picks).
-        Candidates are the children of the clusters chosen one level up; rows past the chosen
-        count are zero, so their children are never valid candidates."""
-        sizes = self.sizes
-        counts, bounds, valid = self.selection_counts(extent)
-        for i in range(start, stop):
+        # Finer levels: candidates are the children of the clusters chosen one level up (rows
+        # past the chosen count are zero: their children are never valid candidates).
+        for i in range(1, len(sizes)):
             r = sizes[i - 1] // sizes[i]
-            n_cand = (chain[-1].shape[1] if chain else bounds[i - 1]) * r
+            n_cand = chain[-1].shape[1] * r
             pad = r * valid[i - 1] - valid[i]        # empty children sit at the very end
             real = counts[i - 1] * r - pad           # candidates holding tokens
-            if extent.static and counts[i] == real:
-                chain += (_first_rows(R, counts[i], n_cand),)
+            if exact and counts[i] == real:
+                chain += (first_rows(counts[i], n_cand),)
                 continue
             forced = E.union(E.at(n_cand, 0), E.at(n_cand, real - 1))
-            mask = P.topk_mask(level_scores[i](chain or None), counts[i],
-                               valid=E.iota_lt(n_cand, real), forced=forced,
-                               method=self.topk_method, dtype=jnp.int32, k_max=bounds[i])
+            mask = P.topk_mask(level_scores[i](chain), counts[i], valid=E.iota_lt(n_cand, real),
+                               forced=forced, method=self.topk_method, dtype=dtype,
+                               k_max=bounds[i])
             chain += (P.mask_onehot(mask, bounds[i]),)                     # [R, k_i, n_cand]
         return chain
 
@@ -606,8 +571,7 @@ class MPCache(PromptEvictionPolicy):
         attention scores [H_kv, G, S + N] ("exact" selection reads them)."""
         if self.selects(layer) or carry is None:
             scores = None if scores_all is None else scores_all[..., :state.k.shape[1]]
-            return self.select_chain(q, state, scores,
-                                     self.gathered_levels if self.reuses else None)
+            return self.select_chain(q, state, scores)
         return carry
 
     def working_set(self, layer, q, state: PrunedLayer, carry) -> tuple[WorkingSet, tuple]:
@@ -622,8 +586,7 @@ class MPCache(PromptEvictionPolicy):
             if self.similarity == "exact":
                 scores = attention.grouped_scores(q, state.k)                 # [H_kv, G, S]
             chain = self.selection(layer, q, state, carry, scores)
-            size = self.sizes[self.gathered_levels - 1]
-            return gather_working_set(chain, state.k, state.v, valid, size), chain
+            return gather_working_set(chain, state.k, state.v, valid, self.sizes[-1]), chain
 
         chain_shape = jax.eval_shape(lambda c: fresh(c)[1], carry)
 
@@ -634,16 +597,6 @@ class MPCache(PromptEvictionPolicy):
         refresh = state.new.length % self.refresh_every == 0
         return jax.lax.cond(refresh, fresh, keep, carry)
 
-    def refine_in_working_set(self, working: WorkingSet, extent: E.Extent,
-                              scores: jax.Array) -> tuple:
-        """The `fresh_levels` finest levels, selected among the working set's tokens by this
-        step's scores [H_kv, G, n] of them: a chain over the working set's finest clusters."""
-        start = self.gathered_levels
-        token = self.token_scores(scores, working.valid)
-        fine = exact_levels(token, self.sizes[start:])
-        levels = [None] * start + fine
-        return self._refine((), levels, start, len(self.sizes), token.shape[0], extent)
-
     def attend(self, layer, q, k_new, v_new, state: PrunedLayer, carry):
         new = append_token(state.new, k_new, v_new)
         if not self.dynamic:
@@ -651,16 +604,7 @@ class MPCache(PromptEvictionPolicy):
             return out, state.replace(new=new), carry
         if self.reuses:
             working, carry = self.working_set(layer, q, state, carry)
-            if not self.fresh_levels:
-                out = attend_working_set(q, working, new, self.softmax)
-            else:
-                scores_all = attention.grouped_scores(
-                    q, jnp.concatenate([working.k, new.k], axis=1))
-                fine = self.refine_in_working_set(working, state.extent(),
-                                                  scores_all[..., :working.k.shape[1]])
-                out = attend_selected(q, working.k, working.v, working.valid, new, fine,
-                                      self.sizes[-1], normalize=self.softmax,
-                                      scores_all=scores_all)
+            out = attend_working_set(q, working, new, self.softmax)
             return out, state.replace(new=new, working=working), carry
         scores_all = None
         if self.similarity == "exact":   # one score matmul serves selection and attention
@@ -676,13 +620,7 @@ class MPCache(PromptEvictionPolicy):
             return super().attended_slots(layer, q, state, carry)
         if self.reuses:
             working, _ = self.working_set(layer, q, state, carry)
-            rows = None
-            if self.fresh_levels:
-                scores = attention.grouped_scores(q, working.k)
-                fine = self.refine_in_working_set(working, state.extent(), scores)
-                picked = jnp.sum(P.chain_dense(fine), axis=1)                  # [R, clusters]
-                rows = jnp.repeat(picked, self.sizes[-1], axis=-1)
-            slots = working.attended_slots(*state.k.shape[:2], rows)
+            slots = working.attended_slots(*state.k.shape[:2])
             return slots * (state.valid > 0.5).astype(slots.dtype)
         chosen = P.chain_dense(self.selection(layer, q, state, carry))
         clusters = jnp.sum(chosen, axis=1)                                     # [H_kv, C]
