@@ -81,27 +81,16 @@ def fill_prefix(layer: LayerKV, k: jax.Array, v: jax.Array, length=None) -> Laye
 
 # ----- sliding-window layers ------------------------------------------------------------------
 @flax.struct.dataclass
-class WindowKV:
+class WindowKV(LayerKV):
     """Ring buffer of a sliding-window (local) layer: the keys/values of its last R tokens.
 
     k, v: [H_kv, R, d] with R = min(window, cache capacity); length: int32 [] tokens written so
     far (public, like LayerKV.length). Token at position p lives in slot p mod R, so after
     writing position p the buffer holds positions max(0, p - R + 1) .. p (RoPE is applied
     before caching, so the slot order does not matter to attention). Every slot index is the
-    public length modulo R: no secret indexing.
+    public length modulo R: no secret indexing. `valid()` (LayerKV's) marks every slot once
+    length >= R.
     """
-
-    k: jax.Array
-    v: jax.Array
-    length: jax.Array
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
-    def valid(self) -> jax.Array:
-        """[R] float 0/1 mask of slots holding a token (all of them once length >= R)."""
-        return (jnp.arange(self.capacity) < self.length).astype(self.k.dtype)
 
 
 def empty_window(num_kv_heads: int, window: int, capacity: int, head_dim: int,
