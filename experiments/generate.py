@@ -10,8 +10,9 @@
 
 The prompt: --prompt (text), or --prompt_file (a long document and question), wrapped in the
 model's chat template unless --nochat or the model has none (a base model such as gemma3-270m
-gets the plain text, after BOS when its tokenizer asks for one). One policy (--policies; without it `full`, no eviction) at
-one budget (--budgets: a ratio of the prompt, or a token count). Records: DIR/results.jsonl (one per step + summary).
+gets the plain text, after BOS when its tokenizer asks for one). One policy (--policies;
+without it `full`, no eviction) at one budget (--budgets: a ratio of the prompt, or a token
+count). Records: DIR/results.jsonl (one per step + summary).
 """
 from __future__ import annotations
 
