@@ -414,11 +414,22 @@ def plot_needle_heatmaps(sample_records, path):
     plt.close(fig)
 
 
+def check_context(cfg, lengths: list[int], max_new_tokens: int) -> None:
+    """--lengths plus the generated tokens must fit the model's context (before any work)."""
+    longest = max(lengths)
+    if longest + max_new_tokens > cfg.max_position:
+        raise ValueError(f"--lengths={longest} with --max_new_tokens={max_new_tokens} exceeds "
+                         f"{cfg.name}'s context of {cfg.max_position} positions; use lengths up "
+                         f"to {cfg.max_position - max_new_tokens}")
+
+
 def run(FLAGS) -> None:
     task_names = parse_tasks(FLAGS.task)
     policies = build_policies(FLAGS)
     lengths = parse_numbers("lengths", FLAGS.lengths, int)
     depths = parse_numbers("depths", FLAGS.depths, float)
+    check_context(registry.get_config(FLAGS.model, FLAGS.num_layers), lengths,
+                  FLAGS.max_new_tokens)
     out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
     settings = record_settings(FLAGS)
     settings_hash = common.config_hash(settings)

@@ -9,8 +9,10 @@
     --backend=xla         plaintext chat
 
 The prompt: --prompt (text), or --prompt_file (a long document and question), wrapped in the
-model's chat template unless --nochat. One policy (--policies) at one budget (--budgets: a
-ratio of the prompt, or a token count). Records: DIR/results.jsonl (one per step + summary).
+model's chat template unless --nochat or the model has none (a base model such as gemma3-270m
+gets the plain text, after BOS when its tokenizer asks for one). One policy (--policies;
+without it `full`, no eviction) at one budget (--budgets: a ratio of the prompt, or a token
+count). Records: DIR/results.jsonl (one per step + summary).
 """
 from __future__ import annotations
 
@@ -38,9 +40,14 @@ def one_policy(FLAGS):
     """The single policy (and budget) a generation runs with."""
     from experiments.accuracy import parse_budget
     from mpcache_jax.policies import make_policy
-    if not FLAGS["policies"].present or len(FLAGS.policies) != 1:
+    if not FLAGS["policies"].present:
+        if FLAGS["budgets"].present:
+            raise ValueError("--budgets needs --policies=NAME (without --policies, generate "
+                             "keeps the whole cache: policy full)")
+        return "full", None, make_policy("full")
+    if len(FLAGS.policies) != 1:
         raise ValueError("--experiment=generate runs one policy: give --policies=NAME (e.g. "
-                         "mpcache, or full for no eviction)")
+                         "mpcache, or full for no eviction; full when --policies is absent)")
     name = FLAGS.policies[0]
     if name == "full":
         if FLAGS["budgets"].present:
@@ -51,6 +58,19 @@ def one_policy(FLAGS):
         raise ValueError(f"--experiment=generate runs one budget; --budgets={','.join(FLAGS.budgets)}")
     budget = parse_budget(FLAGS.budgets[0]) if FLAGS["budgets"].present else 0.1
     return name, budget, make_policy(name, budget)
+
+
+def encode_prompt(FLAGS, tok, text: str) -> list[int]:
+    """The prompt's ids: wrapped in the chat template when the model has one and --chat is on
+    (the default); a base model without a template (gemma3-270m) gets the plain text, with
+    BOS if its tokenizer asks for it. --chat given explicitly for such a model is an error."""
+    if not tok.has_chat_template:
+        given = [f"--{name}" for name in ("chat", "system_prompt")
+                 if FLAGS[name].present and getattr(FLAGS, name)]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: {FLAGS.model} has no chat template (a base "
+                             "model); drop them to give it a plain-text prompt")
+    return tok.encode_request(text, chat=FLAGS.chat, system=FLAGS.system_prompt)
 
 
 def check_prompt(policy, model, prompt_ids, max_new_tokens: int) -> None:
@@ -78,8 +98,7 @@ def run(FLAGS) -> None:
         raise ValueError(f"model {FLAGS.model!r} has no tokenizer (random weights); generate needs "
                          "one: use --model=smollm2-135m, or --model=gpt2 with --weights_path to a "
                          "directory holding tokenizer.json")
-    text = read_prompt(FLAGS)
-    prompt_ids = tok.encode_chat(text, system=FLAGS.system_prompt) if FLAGS.chat else tok.encode(text)
+    prompt_ids = encode_prompt(FLAGS, tok, read_prompt(FLAGS))
     check_prompt(policy, loaded.model, prompt_ids, FLAGS.max_new_tokens)
     if FLAGS.backend == "xla":
         return run_plaintext(FLAGS, loaded, prompt_ids, name, policy)

@@ -762,8 +762,7 @@ def bench_generate(cfg: CostConfig, harness: Harness):
     tok = loaded.tokenizer
     if tok is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer; secure generation needs one")
-    prompt_ids = tok.encode_chat(cfg.prompt, system=cfg.system_prompt) if cfg.chat \
-        else tok.encode(cfg.prompt)
+    prompt_ids = tok.encode_request(cfg.prompt, chat=cfg.chat, system=cfg.system_prompt)
     for protocol in cfg.protocols:
         mpc_cfg = cfg.mpc(protocol)
         for label, name, options in cfg.policies:

@@ -24,10 +24,12 @@ def main(argv):
     quiet_libraries()
     from experiments.common import git_commit
     git_commit()   # the code this run starts with, named in every record
+    from models.gguf_store import GGUFIntegrityError
     try:
         return dispatch()
-    except (ValueError, FileNotFoundError) as err:
-        # Bad flags, configs or files: say what is wrong without a traceback.
+    except (ValueError, FileNotFoundError, GGUFIntegrityError) as err:
+        # Bad flags, configs or files (a GGUF that fails its pinned hash included): say what
+        # is wrong without a traceback.
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 

@@ -29,6 +29,19 @@ LLAMA2_D1024 = ModelConfig(arch="llama", name="llama2-d1024", vocab_size=32000, 
                            max_position=4096, rope_theta=10000.0, norm_eps=1e-5,
                            tie_embeddings=False, activation="silu")
 
+# Gemma 3 270M (pretrained base model): the GGUF metadata gives the geometry; the facts it
+# leaves out (which layers are local, the local RoPE base, the attention scale) are those of
+# llama.cpp's and transformers' Gemma 3 (docs/models.md lists where each was read). Every
+# sixth layer (5, 11, 17) is global; the GGUF's norm weights already hold Gemma's 1 + w.
+GEMMA3_270M = ModelConfig(arch="llama", name="gemma3-270m", vocab_size=262144, hidden_size=640,
+                          num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,
+                          intermediate_size=2048, max_position=32768, rope_theta=1000000.0,
+                          norm_eps=1e-6, tie_embeddings=True, activation="gelu_tanh",
+                          layer_types=tuple("global" if (i + 1) % 6 == 0 else "local"
+                                            for i in range(18)),
+                          sliding_window=512, rope_local_theta=10000.0, qk_norm=True,
+                          sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=256.0)
+
 LLAMA_TINY = ModelConfig(arch="llama", name="llama-tiny", vocab_size=256, hidden_size=64,
                          num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
                          max_position=4096, rope_theta=10000.0, tie_embeddings=True)
@@ -45,9 +58,28 @@ class LoadedModel:
     tokenizer: Any = None  # models.tokenizer.ChatTokenizer or None for random-weight models
 
 
+def pick_layers(loaded: LoadedModel, layers) -> LoadedModel:
+    """A LoadedModel of the given layers of `loaded` (model order kept, renumbered from 0),
+    with their local/global types: e.g. [4, 5] of gemma3-270m is one local and one global
+    layer of the real weights (tests and cost runs on reduced models)."""
+    cfg = loaded.model.cfg
+    layers = [int(i) for i in layers]
+    if not layers or sorted(set(layers)) != layers or not 0 <= layers[0] <= layers[-1] < cfg.num_layers:
+        raise ValueError(f"layers={layers} must be increasing indices in [0, {cfg.num_layers})")
+    types = None if cfg.layer_types is None else tuple(cfg.layer_types[i] for i in layers)
+    window = cfg.sliding_window if types is not None and "local" in types else None
+    small = cfg.replace(num_layers=len(layers), layer_types=types, sliding_window=window,
+                        name=f"{cfg.name}-layers{'-'.join(map(str, layers))}")
+    params = {name: value for name, value in loaded.params.items()
+              if not name.startswith("layers_")}
+    params.update({f"layers_{new}": loaded.params[f"layers_{old}"]
+                   for new, old in enumerate(layers)})
+    return LoadedModel(Model(small), params, loaded.tokenizer)
+
 
 CONFIGS: dict[str, ModelConfig] = {cfg.name: cfg for cfg in
-                                   (SMOLLM2_135M, GPT2, LLAMA2_D1024, LLAMA_TINY, GPT2_TINY)}
+                                   (SMOLLM2_135M, GEMMA3_270M, GPT2, LLAMA2_D1024, LLAMA_TINY,
+                                    GPT2_TINY)}
 MODEL_NAMES = tuple(CONFIGS)
 
 
@@ -59,5 +91,5 @@ def get_config(name: str, num_layers: int | None = None) -> ModelConfig:
     if num_layers is not None:
         if not 0 < num_layers <= cfg.num_layers:
             raise ConfigError(f"num_layers={num_layers} must be in [1, {cfg.num_layers}] for {name}")
-        cfg = cfg.replace(num_layers=num_layers)
+        cfg = cfg.truncated(num_layers)
     return cfg

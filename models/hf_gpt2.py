@@ -264,6 +264,16 @@ class GPT2Tokenizer:
         messages.append({"role": "user", "content": user_text})
         return self.encode(self.apply_chat_template(messages))
 
+    # The chat entry points above stand in for a template (ChatTokenizer's interface).
+    has_chat_template = True
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Plain-text prompt ids (GPT-2 adds no BOS)."""
+        return self.encode(text)
+
+    def encode_request(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
+        return self.encode_chat(text, system=system) if chat else self.encode_prompt(text)
+
 
 def load(weights_path: str | os.PathLike, num_layers: int | None = None) -> LoadedModel:
     """A GPT-2 checkpoint from local files: model, float32 parameters and (if present) tokenizer.

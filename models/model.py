@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpcache_jax import programs
-from mpcache_jax.cache import KVCache, empty_cache
+from mpcache_jax.cache import (KVCache, SplitCache, empty_cache, empty_window, model_layers,
+                               policy_layers)
 from mpcache_jax.policy import FULL, AttentionPolicy, PrefillAux
 from models.config import ModelConfig
 from models.transformer import DecoderLM
@@ -77,8 +78,16 @@ class Model:
         return shapes
 
     def init_cache(self, capacity: int, dtype=jnp.float32) -> KVCache:
+        """An empty cache for `capacity` tokens: one LayerKV per layer, or, for a model with
+        sliding-window layers, a SplitCache (a LayerKV per global layer, a WindowKV ring buffer
+        of min(window, capacity) slots per local layer)."""
         c = self.cfg
-        return empty_cache(c.num_layers, c.num_kv_heads, capacity, c.head_dim, dtype)
+        if not c.has_local_layers:
+            return empty_cache(c.num_layers, c.num_kv_heads, capacity, c.head_dim, dtype)
+        full = empty_cache(1, c.num_kv_heads, capacity, c.head_dim, dtype)[0]
+        states = [empty_window(c.num_kv_heads, c.sliding_window, capacity, c.head_dim, dtype)
+                  if local else full for local in c.local_layers]
+        return SplitCache.from_layers(states, c.local_layers)
 
     # ----- validation ---------------------------------------------------------------------
     def _check_tokens(self, tokens) -> jax.Array:
@@ -125,12 +134,13 @@ class Model:
             if not min_length <= int(length) <= T:
                 raise ValueError(f"length={length} must lie in [min_length={min_length}, {T}] "
                                  "(the prompt's real tokens within its bucket)")
-        if len(cache) != self.cfg.num_layers:
-            raise ValueError(f"cache has {len(cache)} layers, the model has {self.cfg.num_layers}")
-        capacity = cache[0].capacity
-        if int(cache[0].length) != 0:
+        layers = model_layers(cache)
+        if len(layers) != self.cfg.num_layers:
+            raise ValueError(f"cache has {len(layers)} layers, the model has {self.cfg.num_layers}")
+        capacity = policy_layers(cache)[0].capacity
+        if int(layers[0].length) != 0:
             raise ValueError("prefill needs an empty cache (model.init_cache); this one already "
-                             f"holds {int(cache[0].length)} tokens")
+                             f"holds {int(layers[0].length)} tokens")
         if T > capacity:
             raise ValueError(f"prompt of {T} tokens is longer than the cache capacity {capacity}; "
                              "create the cache with capacity >= prompt length + new tokens")
@@ -155,7 +165,7 @@ class Model:
         if not isinstance(token, jax.core.Tracer):
             self._check_tokens([int(np.asarray(token))])
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(cache)):
-            if policy.free_slots(cache) <= 0:
+            if policy.free_slots(policy_layers(cache)) <= 0:
                 raise ValueError("the KV cache is full: allocate more room for new tokens "
                                  "(capacity >= prompt length + max_new_tokens)")
         return _decode(self, params, jnp.asarray(token, jnp.int32), jnp.asarray(pos, jnp.int32),

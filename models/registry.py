@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from models.catalog import (GPT2, GPT2_TINY, LLAMA2_D1024, LLAMA_TINY, MODEL_NAMES,  # noqa: F401
-                            SMOLLM2_135M, LoadedModel, get_config)
+from models.catalog import (GEMMA3_270M, GPT2, GPT2_TINY, LLAMA2_D1024,  # noqa: F401
+                            LLAMA_TINY, MODEL_NAMES, SMOLLM2_135M, LoadedModel, get_config,
+                            pick_layers)
 from models.config import ModelConfig
 from models.model import Model
 
@@ -30,8 +31,15 @@ def _load_smollm2(cfg: ModelConfig, seed: int, cache_dir: str | None = None,
     return smollm2.load(cache_dir=cache_dir, num_layers=num_layers)
 
 
+def _load_gemma3(cfg: ModelConfig, seed: int, cache_dir: str | None = None,
+                 num_layers: int | None = None, **_) -> LoadedModel:
+    from models import gemma3
+    return gemma3.load(cache_dir=cache_dir, num_layers=num_layers)
+
+
 _LOADERS: dict[str, Callable[..., LoadedModel]] = {
     "smollm2-135m": _load_smollm2,
+    "gemma3-270m": _load_gemma3,
     "gpt2": _load_gpt2,
     "llama2-d1024": _load_random,
     "llama-tiny": _load_random,

@@ -1,13 +1,22 @@
-"""`ChatTokenizer`: a byte-level BPE tokenizer plus chat template, built from GGUF metadata.
+"""`ChatTokenizer`: a BPE tokenizer plus (optional) chat template, built from GGUF metadata.
 
 Only the `tokenizers` and `jinja2` packages are used (transformers' GGUF tokenizer path imports
 torch). The GGUF metadata keys read are llama.cpp's:
 
-  tokenizer.ggml.tokens       vocabulary, in id order, spelled in the GPT-2 byte alphabet
-  tokenizer.ggml.merges       BPE merges "left right", highest priority first
-  tokenizer.ggml.token_type   per-token type; 3 (CONTROL) marks special tokens like <|im_end|>
-  tokenizer.ggml.{bos,eos,eot}_token_id
-  tokenizer.chat_template     a jinja2 template over `messages`
+  tokenizer.ggml.model        "gpt2": byte-level BPE (SmolLM2); "llama": SentencePiece (Gemma 3)
+  tokenizer.ggml.tokens       vocabulary, in id order ("gpt2": spelled in the GPT-2 byte alphabet)
+  tokenizer.ggml.merges       "gpt2": BPE merges "left right", highest priority first
+  tokenizer.ggml.scores       "llama": per-token score (a higher score merges first)
+  tokenizer.ggml.token_type   per-token type; 3 (CONTROL) marks special tokens like <|im_end|>,
+                              4 (USER_DEFINED) tokens matched whole, 6 (BYTE) <0xXX> fallbacks
+  tokenizer.ggml.{bos,eos,eot}_token_id, tokenizer.ggml.add_bos_token
+  tokenizer.chat_template     a jinja2 template over `messages` (absent for a base model)
+
+A SentencePiece vocabulary (tokenizer.ggml.model = "llama") becomes a `tokenizers` BPE with
+byte fallback: spaces are written "▁" (no prefix space when tokenizer.ggml.add_space_prefix is
+false), a merge joins two pieces whose concatenation is a normal token, and merges rank by that
+token's score (ties: the longer left piece first). llama.cpp writes Gemma's whitespace-only
+tokens with plain spaces; they are spelled with "▁" again.
 
     tok = ChatTokenizer.from_gguf(path)
     ids = tok.encode_chat("What is the capital of France?")
@@ -24,9 +33,12 @@ import pathlib
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+NORMAL_TOKEN_TYPE = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+USER_DEFINED_TOKEN_TYPE = 4
+SPACE_MARK = "\u2581"  # SentencePiece's "▁"
 END_OF_TURN_TOKEN = "<|im_end|>"
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_FILE = "chat.json"
@@ -41,21 +53,28 @@ class ChatTokenizer:
 
     Args:
       tokenizer: a `tokenizers.Tokenizer` with the control tokens registered as special tokens.
-      chat_template: jinja2 source rendered with `messages` and `add_generation_prompt`.
+      chat_template: jinja2 source rendered with `messages` and `add_generation_prompt`; None
+        for a base model without one (then only plain-text prompts: `encode_prompt`).
       bos_id, eos_id: ids from the metadata; eot_id: end-of-turn id if the metadata names one.
+      add_bos: whether a prompt starts with BOS (tokenizer.ggml.add_bos_token; `encode_prompt`).
     """
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str, bos_id: int | None,
-                 eos_id: int, eot_id: int | None = None):
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, bos_id: int | None,
+                 eos_id: int, eot_id: int | None = None, add_bos: bool = False):
+        if add_bos and bos_id is None:
+            raise ValueError("add_bos needs a BOS id (tokenizer.ggml.bos_token_id)")
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.bos_id = bos_id
         self._eos_id = eos_id
         self.eot_id = eot_id
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _render_error
-        self._template = env.from_string(chat_template)
+        self.add_bos = bool(add_bos)
+        self._template = None
+        if chat_template is not None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _render_error
+            self._template = env.from_string(chat_template)
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -90,6 +109,46 @@ class ChatTokenizer:
         return cls(tokenizer, chat_template, bos_id, eos_id, eot_id)
 
     @classmethod
+    def from_sentencepiece(cls, tokens: list[str], scores: list[float], token_types: list[int],
+                           bos_id: int | None, eos_id: int, unk_id: int | None = None,
+                           eot_id: int | None = None, add_bos: bool = False,
+                           add_space_prefix: bool = False,
+                           chat_template: str | None = None) -> "ChatTokenizer":
+        """BPE with byte fallback from a SentencePiece vocabulary (ids in order, scores, types):
+        see the module docstring for the merges."""
+        if not len(tokens) == len(scores) == len(token_types):
+            raise ValueError(f"{len(tokens)} tokens, {len(scores)} scores and {len(token_types)} "
+                             "token types in the metadata")
+        spelled = [SPACE_MARK * len(t) if t and not t.strip(" ") else t for t in tokens]
+        vocab = {token: index for index, token in enumerate(spelled)}
+        if len(vocab) != len(spelled):
+            raise ValueError("the vocabulary has duplicate tokens")
+        normal = [i for i, kind in enumerate(token_types) if kind == NORMAL_TOKEN_TYPE]
+        rank = sorted(normal, key=lambda i: (-scores[i], i))
+        merges = []
+        for index in rank:
+            token = spelled[index]
+            splits = [(token[:cut], token[cut:]) for cut in range(len(token) - 1, 0, -1)]
+            merges.extend(pair for pair in splits if pair[0] in vocab and pair[1] in vocab)
+        unk = None if unk_id is None else spelled[unk_id]
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                                         byte_fallback=True))
+        replace = normalizers.Replace(" ", SPACE_MARK)
+        tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend(SPACE_MARK), replace])
+                                if add_space_prefix else replace)
+        tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "),
+                                               decoders.ByteFallback(), decoders.Fuse()])
+        tokenizer.add_special_tokens([
+            AddedToken(token, special=True, normalized=False)
+            for token, kind in zip(spelled, token_types) if kind == CONTROL_TOKEN_TYPE])
+        # User-defined tokens (newline runs, "▁▁" ...) are matched whole, in the text with its
+        # spaces already written "▁" (SentencePiece matches them before merging).
+        tokenizer.add_tokens([
+            AddedToken(token, special=False, normalized=True)
+            for token, kind in zip(spelled, token_types) if kind == USER_DEFINED_TOKEN_TYPE])
+        return cls(tokenizer, chat_template, bos_id, eos_id, eot_id, add_bos)
+
+    @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "ChatTokenizer":
         """Read the tokenizer and chat template from a GGUF file's metadata."""
         import gguf
@@ -113,10 +172,22 @@ class ChatTokenizer:
             return entry.contents()
 
         model = field("tokenizer.ggml.model", required=True)
+        if model == "llama":
+            return cls.from_sentencepiece(
+                tokens=field("tokenizer.ggml.tokens", required=True),
+                scores=field("tokenizer.ggml.scores", required=True),
+                token_types=field("tokenizer.ggml.token_type", required=True),
+                bos_id=field("tokenizer.ggml.bos_token_id"),
+                eos_id=field("tokenizer.ggml.eos_token_id", required=True),
+                unk_id=field("tokenizer.ggml.unknown_token_id"),
+                eot_id=field("tokenizer.ggml.eot_token_id"),
+                add_bos=bool(field("tokenizer.ggml.add_bos_token", True)),
+                add_space_prefix=bool(field("tokenizer.ggml.add_space_prefix", True)),
+                chat_template=field("tokenizer.chat_template"))
         if model != "gpt2":
             raise ValueError(f"{path}: tokenizer.ggml.model={model!r}; only byte-level BPE "
-                             "('gpt2') vocabularies are supported")
-        return cls.from_metadata(
+                             "('gpt2') and SentencePiece ('llama') vocabularies are supported")
+        tok = cls.from_metadata(
             tokens=field("tokenizer.ggml.tokens", required=True),
             token_types=field("tokenizer.ggml.token_type", required=True),
             merges=field("tokenizer.ggml.merges", required=True),
@@ -125,6 +196,8 @@ class ChatTokenizer:
             eos_id=field("tokenizer.ggml.eos_token_id", required=True),
             eot_id=field("tokenizer.ggml.eot_token_id"),
         )
+        tok.add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
+        return tok
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write tokenizer.json and chat.json (template and special ids) into `directory`."""
@@ -132,7 +205,7 @@ class ChatTokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         self.tokenizer.save(str(directory / TOKENIZER_FILE))
         chat = {"chat_template": self.chat_template, "bos_id": self.bos_id,
-                "eos_id": self._eos_id, "eot_id": self.eot_id}
+                "eos_id": self._eos_id, "eot_id": self.eot_id, "add_bos": self.add_bos}
         (directory / CHAT_FILE).write_text(json.dumps(chat, indent=1))
 
     @classmethod
@@ -141,7 +214,8 @@ class ChatTokenizer:
         directory = pathlib.Path(directory)
         chat = json.loads((directory / CHAT_FILE).read_text())
         tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
-        return cls(tokenizer, chat["chat_template"], chat["bos_id"], chat["eos_id"], chat["eot_id"])
+        return cls(tokenizer, chat["chat_template"], chat["bos_id"], chat["eos_id"], chat["eot_id"],
+                   chat.get("add_bos", False))
 
     # ----- properties ---------------------------------------------------------------------
     @property
@@ -174,12 +248,31 @@ class ChatTokenizer:
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         return encoding.ids, [tuple(span) for span in encoding.offsets]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt (no chat template): BOS first when the model's
+        metadata asks for it (add_bos), then `encode(text)`."""
+        return ([self.bos_id] if self.add_bos else []) + self.encode(text)
+
+    def encode_request(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
+        """A user's prompt: in the chat template when `chat` and the model has one
+        (`encode_chat`), else plain text (`encode_prompt`; a base model without a template)."""
+        if chat and self.has_chat_template:
+            return self.encode_chat(text, system=system)
+        return self.encode_prompt(text)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
     def decode(self, ids, skip_special: bool = True) -> str:
         """Text of `ids` (any int sequence); control tokens dropped when `skip_special`."""
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
+        if self._template is None:
+            raise ValueError("this model's tokenizer has no chat template (a base model): give "
+                             "a plain-text prompt (--nochat)")
         for message in messages:
             if "role" not in message or "content" not in message:
                 raise ValueError(f"each message needs 'role' and 'content', got {message!r}")

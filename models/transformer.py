@@ -9,6 +9,8 @@ Parameter tree (both architectures):
   embed/embedding [V, D]            pos_embed/embedding [P, D] (gpt2)
   layers_i/input_norm/{scale[, bias]}  layers_i/post_norm/{scale[, bias]}
   llama: layers_i/{q,k,v,o}_proj/kernel, layers_i/{gate,up,down}_proj/kernel
+         (+ layers_i/{q_norm,k_norm}/scale [d] with qk_norm, layers_i/{attn_out_norm,
+         mlp_out_norm}/scale with sandwich_norms)
   gpt2:  layers_i/qkv_proj/{kernel,bias}, layers_i/o_proj/{kernel,bias},
          layers_i/fc_in/{kernel,bias}, layers_i/fc_out/{kernel,bias}
   final_norm/{scale[, bias]}        lm_head/kernel [D, V] (a contiguous copy of embed.T when tied)
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpcache_jax import attention
-from mpcache_jax.cache import fill_prefix
+from mpcache_jax.cache import SplitCache, fill_prefix, fill_window, model_layers, window_append
 from mpcache_jax.policy import AttentionPolicy
 from models.config import ModelConfig
 
@@ -185,13 +187,25 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class LlamaBlock(nn.Module):
+    """LLaMA block and, through the config's switches, Gemma 3's: `local` (a sliding-window
+    layer: its RoPE base is rope_local_theta), qk_norm (q_norm/k_norm over head_dim before
+    RoPE), sandwich_norms (attn_out_norm / mlp_out_norm on the attention and MLP outputs
+    before the residual adds; post_norm stays the pre-MLP norm) and query_pre_attn_scalar."""
+
     cfg: ModelConfig
+    local: bool = False
 
     def setup(self):
         c = self.cfg
         dense = lambda n, name: nn.Dense(n, use_bias=False, kernel_init=_INIT, name=name)
         self.input_norm = RMSNorm(c.norm_eps)
         self.post_norm = RMSNorm(c.norm_eps)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.norm_eps)
+            self.k_norm = RMSNorm(c.norm_eps)
+        if c.sandwich_norms:
+            self.attn_out_norm = RMSNorm(c.norm_eps)
+            self.mlp_out_norm = RMSNorm(c.norm_eps)
         self.q_proj = dense(c.num_heads * c.head_dim, "q_proj")
         self.k_proj = dense(c.num_kv_heads * c.head_dim, "k_proj")
         self.v_proj = dense(c.num_kv_heads * c.head_dim, "v_proj")
@@ -205,19 +219,30 @@ class LlamaBlock(nn.Module):
         c = self.cfg
         h = self.input_norm(x)
         T = x.shape[0]
-        q = self.q_proj(h).reshape(T, c.num_heads, c.head_dim).transpose(1, 0, 2)
-        k = self.k_proj(h).reshape(T, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
+        q = self.q_proj(h).reshape(T, c.num_heads, c.head_dim)
+        k = self.k_proj(h).reshape(T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 0, 2), k.transpose(1, 0, 2)
         v = self.v_proj(h).reshape(T, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        theta = c.rope_local_theta if self.local and c.rope_local_theta else c.rope_theta
+        cos, sin = rope_tables(positions, c.head_dim, theta)
+        q = apply_rope(q, cos, sin)
+        if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
+            # The attention kernels scale q . k by 1 / sqrt(head_dim); the model wants
+            # 1 / sqrt(query_pre_attn_scalar).
+            q = q * math.sqrt(c.head_dim / c.query_pre_attn_scalar)
+        return q, apply_rope(k, cos, sin), v
 
     def finish(self, x, attn):
         """x: [T, D] residual stream; attn: [H, T, d] attention output -> block output [T, D]."""
         T = x.shape[0]
-        x = x + self.o_proj(attn.transpose(1, 0, 2).reshape(T, -1))
+        out = self.o_proj(attn.transpose(1, 0, 2).reshape(T, -1))
+        x = x + (self.attn_out_norm(out) if self.cfg.sandwich_norms else out)
         h = self.post_norm(x)
         act = activation_fn(self.cfg.activation, self.cfg.activation_impl)
-        return x + self.down_proj(act(self.gate_proj(h)) * self.up_proj(h))
+        out = self.down_proj(act(self.gate_proj(h)) * self.up_proj(h))
+        return x + (self.mlp_out_norm(out) if self.cfg.sandwich_norms else out)
 
 
 class GPT2Block(nn.Module):
@@ -263,7 +288,10 @@ class DecoderLM(nn.Module):
         else:
             self.final_norm = RMSNorm(c.norm_eps)
             block = LlamaBlock
-        self.layers = [block(c) for _ in range(c.num_layers)]
+        if c.has_local_layers:
+            self.layers = [block(c, local) for local in c.local_layers]
+        else:
+            self.layers = [block(c) for _ in range(c.num_layers)]
         self.lm_head = nn.Dense(c.vocab_size, use_bias=False, kernel_init=_INIT)
 
     def _embed(self, tokens, positions):
@@ -275,16 +303,22 @@ class DecoderLM(nn.Module):
             x = self.embed(tokens).astype(jnp.float32)
         if self.cfg.arch == "gpt2":
             x = x + self.pos_embed(positions)
+        if self.cfg.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), x.dtype)
         return x
+
+    def _prompt_attention(self, index, q, k, v):
+        """Causal attention of layer `index` over a whole sequence (its window if local)."""
+        return attention.causal_attention(q, k, v, attention.PREFILL_BLOCK,
+                                          window=self.cfg.window_of(index))
 
     def _residual_stream(self, tokens):
         """Every decoder layer over the whole sequence, no cache -> residual stream [T, D]."""
         positions = jnp.arange(tokens.shape[0])
         x = self._embed(tokens, positions)
-        for block in self.layers:
+        for index, block in enumerate(self.layers):
             q, k, v = block.qkv(x, positions)
-            out = attention.causal_attention(q, k, v, attention.PREFILL_BLOCK)
-            x = block.finish(x, out)
+            x = block.finish(x, self._prompt_attention(index, q, k, v))
         return x
 
     def __call__(self, tokens):
@@ -296,27 +330,37 @@ class DecoderLM(nn.Module):
         of the last position [1, D] (the no-KV-cache decode step of cost runs)."""
         return self._residual_stream(tokens)[-1:]
 
+    def _pack(self, states):
+        """Per-layer states (model order) -> the cache pytree: a tuple, or a SplitCache when
+        the model has local layers."""
+        if self.cfg.has_local_layers:
+            return SplitCache.from_layers(states, self.cfg.local_layers)
+        return tuple(states)
+
     def prefill(self, tokens, cache, return_queries: bool, all_logits: bool, length=None):
-        """tokens: [T] (or one-hot [T, V]); cache: per-layer LayerKV of capacity >= T (empty).
+        """tokens: [T] (or one-hot [T, V]); cache: model.init_cache of capacity >= T (empty):
+        per-layer LayerKV, or a SplitCache (global layers' LayerKV, local layers' WindowKV).
         length: int32 [] number of real tokens when `tokens` is a prompt padded at the end to a
         bucket of T (causal attention: the padding never reaches them); default T.
 
-        Returns (logits [T, V] or [V] (of token length - 1), filled cache, per-layer queries
-        [H, T, d] or None).
+        Returns (logits [T, V] or [V] (of token length - 1), filled cache, queries [H, T, d]
+        of the global (evicting) layers or None).
         """
         positions = jnp.arange(tokens.shape[0])
         x = self._embed(tokens, positions)
         new_cache, queries = [], []
-        for block, layer in zip(self.layers, cache):
+        for index, (block, layer) in enumerate(zip(self.layers, model_layers(cache))):
             q, k, v = block.qkv(x, positions)
-            out = attention.causal_attention(q, k, v, attention.PREFILL_BLOCK)
-            x = block.finish(x, out)
-            new_cache.append(fill_prefix(layer, k, v, length))
-            queries.append(q)
+            x = block.finish(x, self._prompt_attention(index, q, k, v))
+            if self.cfg.local_layers[index]:
+                new_cache.append(fill_window(layer, k, v, length))
+            else:
+                new_cache.append(fill_prefix(layer, k, v, length))
+                queries.append(q)
         last = x[-1:] if length is None else jax.lax.dynamic_slice_in_dim(x, length - 1, 1)
         h = self.final_norm(x if all_logits else last)
         logits = self.lm_head(h)
-        return (logits if all_logits else logits[0]), tuple(new_cache), (
+        return (logits if all_logits else logits[0]), self._pack(new_cache), (
             tuple(queries) if return_queries else None)
 
     def decode(self, token, pos, cache, policy: AttentionPolicy):
@@ -327,17 +371,28 @@ class DecoderLM(nn.Module):
 
     def decode_hidden(self, token, pos, cache, policy: AttentionPolicy):
         """`decode` without the final norm and LM head: (residual stream [1, D], cache).
-        Cost runs measure the decoder layers apart from the policy-independent LM head."""
+        Cost runs measure the decoder layers apart from the policy-independent LM head.
+
+        The policy attends in the global layers (its layer index counts those only); a local
+        layer appends to its ring buffer and attends over its window itself."""
         positions = jnp.reshape(pos, (1,))
         x = self._embed(jnp.reshape(token, (1,) + token.shape), positions)
         carry = policy.init_carry()
         new_cache = []
-        for index, (block, state) in enumerate(zip(self.layers, cache)):
+        evicting = 0
+        for index, (block, state) in enumerate(zip(self.layers, model_layers(cache))):
             q, k, v = block.qkv(x, positions)
-            out, state, carry = policy.attend(index, q[:, 0], k[:, 0], v[:, 0], state, carry)
+            if self.cfg.local_layers[index]:
+                state = window_append(state, k[:, 0], v[:, 0])
+                out = attention.decode_attention(q[:, 0], state.k, state.v, state.valid(),
+                                                 policy.softmax)
+            else:
+                out, state, carry = policy.attend(evicting, q[:, 0], k[:, 0], v[:, 0], state,
+                                                  carry)
+                evicting += 1
             x = block.finish(x, out[:, None, :])
             new_cache.append(state)
-        return x, tuple(new_cache)
+        return x, self._pack(new_cache)
 
     def lm_logits(self, x):
         """Final norm + LM head of a residual stream [T, D] -> logits [T, V]."""

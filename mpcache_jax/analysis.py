@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpcache_jax.cache import policy_layers
 from mpcache_jax.policy import FULL, AttentionPolicy
 
 
@@ -36,6 +37,7 @@ def supports_mechanism(policy: AttentionPolicy) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("policy",))
 def _keep_masks(policy, cache, aux):
+    cache = policy_layers(cache)
     Hkv = cache[0].k.shape[0]
     return tuple(jnp.broadcast_to(item[0], (Hkv, item[0].shape[-1])) > 0.5
                  for item in policy.prompt_keep(cache, aux))

@@ -84,10 +84,11 @@ PREFILL_BLOCK = 256
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     block: int | None = None) -> jax.Array:
+                     block: int | None = None, window: int | None = None) -> jax.Array:
     """Full causal self-attention over a prompt.
 
-    q: [H, T, d]; k, v: [H_kv, T, d] -> out [H, T, d].
+    q: [H, T, d]; k, v: [H_kv, T, d] -> out [H, T, d]. window: None (every earlier token), or
+    a sliding window: query i attends to keys i - window + 1 .. i only.
 
     Queries go in blocks of `block` rows (None: one block), each attending only to the keys
     up to its last row: static slices, so the same function compiles for SPU, where the masked
@@ -95,15 +96,21 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     blocks the score work is (n + 1) / 2n of T x T (a 1k-token prompt in blocks of 256: 62%);
     the blocks' softmaxes are separate calls, so the messages of that part grow n-fold.
     The result equals one block's up to float summation order (masked entries are exact zeros).
+    With a window, a block also skips the keys before its first row's window (static slices).
     """
     H, T, d = q.shape
     block = T if block is None else min(block, T)
     outs = []
     for start in range(0, T, block):
         stop = min(start + block, T)
-        scores = grouped_scores(q[:, start:stop], k[:, :stop])          # [H_kv, G, c, stop]
+        first = 0 if window is None else max(0, start - window + 1)     # oldest key in reach
+        scores = grouped_scores(q[:, start:stop], k[:, first:stop])     # [H_kv, G, c, stop - first]
         rows = jnp.arange(start, stop)[:, None]
-        causal = (jnp.arange(stop)[None, :] <= rows).astype(q.dtype)
-        probs = masked_softmax(scores, causal)
-        outs.append(jnp.einsum("kgts,ksd->kgtd", probs, v[:, :stop]).reshape(H, stop - start, d))
+        keys = jnp.arange(first, stop)[None, :]
+        causal = keys <= rows
+        if window is not None:
+            causal = causal & (keys > rows - window)
+        probs = masked_softmax(scores, causal.astype(q.dtype))
+        outs.append(jnp.einsum("kgts,ksd->kgtd", probs, v[:, first:stop]).reshape(
+            H, stop - start, d))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)

@@ -77,3 +77,103 @@ def fill_prefix(layer: LayerKV, k: jax.Array, v: jax.Array, length=None) -> Laye
         raise ValueError(f"prompt of {T} tokens does not fit a cache of capacity {layer.capacity}")
     return LayerKV(k=write_slots(layer.k, k, 0), v=write_slots(layer.v, v, 0),
                    length=jnp.asarray(T if length is None else length, jnp.int32))
+
+
+# ----- sliding-window layers ------------------------------------------------------------------
+@flax.struct.dataclass
+class WindowKV(LayerKV):
+    """Ring buffer of a sliding-window (local) layer: the keys/values of its last R tokens.
+
+    k, v: [H_kv, R, d] with R = min(window, cache capacity); length: int32 [] tokens written so
+    far (public, like LayerKV.length). Token at position p lives in slot p mod R, so after
+    writing position p the buffer holds positions max(0, p - R + 1) .. p (RoPE is applied
+    before caching, so the slot order does not matter to attention). Every slot index is the
+    public length modulo R: no secret indexing. `valid()` (LayerKV's) marks every slot once
+    length >= R.
+    """
+
+
+def empty_window(num_kv_heads: int, window: int, capacity: int, head_dim: int,
+                 dtype=jnp.float32) -> WindowKV:
+    """An empty ring buffer of min(window, capacity) slots (a cache of `capacity` tokens never
+    needs more)."""
+    zeros = jnp.zeros((num_kv_heads, min(window, capacity), head_dim), dtype)
+    return WindowKV(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32))
+
+
+def window_append(layer: WindowKV, k_new: jax.Array, v_new: jax.Array) -> WindowKV:
+    """Write one token's key/value ([H_kv, d] each) at slot length mod R (a public index)."""
+    slot = jnp.remainder(layer.length, layer.capacity)
+    return WindowKV(k=write_slots(layer.k, k_new[:, None, :], slot),
+                    v=write_slots(layer.v, v_new[:, None, :], slot), length=layer.length + 1)
+
+
+def fill_window(layer: WindowKV, k: jax.Array, v: jax.Array, length=None) -> WindowKV:
+    """Store the last R of a prompt's keys/values ([H_kv, T, d]) in an empty ring buffer.
+
+    length: tokens in use when the prompt is padded to T (a bucket: an int32 public runtime
+    value; default T). Slot s receives the latest real position p < length with p mod R = s.
+    """
+    T, R = k.shape[1], layer.capacity
+    if length is None:
+        start = max(T - R, 0)   # static: the last min(T, R) keys, rotated into their slots
+        k_last, v_last = k[:, start:], v[:, start:]
+        shift = start % R
+        if T < R:
+            pad = ((0, 0), (0, R - T), (0, 0))
+            k_last, v_last = jnp.pad(k_last, pad), jnp.pad(v_last, pad)
+        ring_k, ring_v = jnp.roll(k_last, shift, axis=1), jnp.roll(v_last, shift, axis=1)
+        count = jnp.asarray(T, jnp.int32)
+    else:
+        count = jnp.asarray(length, jnp.int32)
+        slots = jnp.arange(R)
+        positions = jnp.clip(count - 1 - jnp.remainder(count - 1 - slots, R), 0, T - 1)
+        ring_k, ring_v = jnp.take(k, positions, axis=1), jnp.take(v, positions, axis=1)
+    return WindowKV(k=ring_k.astype(layer.k.dtype), v=ring_v.astype(layer.v.dtype), length=count)
+
+
+@flax.struct.dataclass
+class SplitCache:
+    """KV cache of a model with sliding-window layers.
+
+    evicting: the states of the global layers, in model order: what an eviction policy
+    compresses and attends over (its layer index counts these layers only, so cross-layer
+    settings such as `share_from` count evicting layers); window: one WindowKV per local layer,
+    in model order (a local layer's window is already a bounded cache: policies never see it);
+    local: static, per model layer True for a local layer.
+    A model without local layers keeps a plain tuple (one state per layer) instead.
+    """
+
+    evicting: tuple
+    window: tuple
+    local: tuple = flax.struct.field(pytree_node=False)
+
+    def per_layer(self) -> list:
+        """The states in model order."""
+        evicting, window = iter(self.evicting), iter(self.window)
+        return [next(window) if is_local else next(evicting) for is_local in self.local]
+
+    @classmethod
+    def from_layers(cls, states, local) -> "SplitCache":
+        """Split per-layer states (model order) by the `local` flags."""
+        local = tuple(bool(x) for x in local)
+        return cls(evicting=tuple(s for s, is_local in zip(states, local) if not is_local),
+                   window=tuple(s for s, is_local in zip(states, local) if is_local), local=local)
+
+
+def policy_layers(cache) -> tuple:
+    """The layers an eviction policy manages: every layer of a plain cache, the global
+    (evicting) layers of a SplitCache."""
+    return cache.evicting if isinstance(cache, SplitCache) else cache
+
+
+def with_policy_layers(cache, layers):
+    """`cache` with its policy-managed layers replaced by `layers`."""
+    if isinstance(cache, SplitCache):
+        return cache.replace(evicting=tuple(layers))
+    return layers
+
+
+def model_layers(cache) -> list:
+    """One state per model layer, in model order (local layers' ring buffers included)."""
+    return cache.per_layer() if isinstance(cache, SplitCache) else list(cache)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpcache_jax.cache import policy_layers, with_policy_layers
 from mpcache_jax.policy import FULL, AttentionPolicy, PrefillAux
 
 
@@ -44,8 +45,10 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: float, top_p: f
 
 @functools.partial(jax.jit, static_argnames=("policy", "max_new_tokens"))
 def compress_cache(policy: AttentionPolicy, cache, aux: PrefillAux, max_new_tokens: int):
-    """Jitted `policy.compress` (one compilation per policy, prompt length and budget)."""
-    return policy.compress(cache, aux, max_new_tokens)
+    """Jitted `policy.compress` (one compilation per policy, prompt length and budget) of the
+    layers the policy manages (`cache.policy_layers`: a model's sliding-window layers keep
+    their ring buffers)."""
+    return with_policy_layers(cache, policy.compress(policy_layers(cache), aux, max_new_tokens))
 
 
 @dataclasses.dataclass

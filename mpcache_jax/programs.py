@@ -10,6 +10,7 @@ row (a secret token id would otherwise need a secret-index embedding gather).
     progs = StepPrograms(model, policy, prompt_len=T, max_new_tokens=N)
     progs.prefill    (params, prompt [T] ids or one-hot [T, V], empty cache) -> (token, logits, cache)
                      dense prefill + the policy's compression (static eviction) in one program
+                     (of the global layers: a model's sliding-window layers keep their window)
     progs.decode     (params, token [] id or one-hot [V], pos [], cache) -> (token, logits, cache)
     progs.prefill_args(params_shape) / progs.prefill_visibility()
     progs.decode_args(params_shape)  / progs.decode_visibility(params_shape)
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpcache_jax.cache import policy_layers, with_policy_layers
 from mpcache_jax.policy import AttentionPolicy, PrefillAux
 
 SECRET = "secret"
@@ -67,7 +69,8 @@ def prefill_fn(model, policy: AttentionPolicy, max_new_tokens: int):
     def prefill(params, prompt, cache):
         logits, dense, queries = dense_prefill(model, params, prompt, cache, policy.needs_queries)
         aux = PrefillAux(queries=queries, prompt_len=prompt.shape[0])
-        return greedy(logits), logits, policy.compress(dense, aux, max_new_tokens)
+        compressed = policy.compress(policy_layers(dense), aux, max_new_tokens)
+        return greedy(logits), logits, with_policy_layers(dense, compressed)
     return prefill
 
 

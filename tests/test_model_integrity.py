@@ -2,7 +2,7 @@
 
 The real GGUF in the default cache dir is only read (`fetch_gguf()` downloads it on a machine
 that lacks it; the fixture checks at the end that its hash is unchanged). Every corrupted file
-is a copy inside a temporary cache dir, and `_download_gguf` is replaced by a copy of a chosen
+is a copy inside a temporary cache dir, and `STORE.download` is replaced by a copy of a chosen
 file, so nothing goes to the network. One test converts a 1-layer model (~5 s on 2 cores, most
 of it parsing the GGUF metadata); the others take well under a second each.
 """
@@ -58,7 +58,7 @@ def downloads(monkeypatch, good_gguf):
         state.calls += 1
         shutil.copyfile(state.serve, destination)
 
-    monkeypatch.setattr(smollm2, "_download_gguf", fake_download)
+    monkeypatch.setattr(smollm2.STORE, "download", fake_download)
     return state
 
 
@@ -138,8 +138,8 @@ def test_load_params_refetches_a_corrupted_gguf_before_converting(tmp_path, good
 def test_load_params_refuses_a_gguf_changed_after_verification(tmp_path, good_gguf, monkeypatch):
     """The manifest hash is taken from the bytes being converted, not from the constant."""
     corrupted = _corrupt_copy(good_gguf, tmp_path / smollm2.GGUF_NAME)
-    monkeypatch.setattr(smollm2, "fetch_gguf", lambda root: corrupted)  # skips the check
-    monkeypatch.setattr(smollm2, "_open_gguf",  # a reader stub: the hash is checked before parsing
+    monkeypatch.setattr(smollm2.STORE, "fetch_gguf", lambda root: corrupted)  # skips the check
+    monkeypatch.setattr(smollm2.STORE, "open_gguf",  # a reader stub: the hash is checked before parsing
                         lambda path: types.SimpleNamespace(data=np.memmap(path, mode="r")))
     with pytest.raises(smollm2.GGUFIntegrityError, match="changed after it was verified"):
         smollm2.load_params(cache_dir=tmp_path, num_layers=1)
@@ -164,7 +164,7 @@ def test_manifest_must_name_the_pinned_gguf(manifest, reason, tmp_path):
     shapes = smollm2._expected_shapes(registry.get_config(smollm2.MODEL_NAME, 1))
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(smollm2.CorruptCheckpoint, match=reason):
-        smollm2._read_manifest(tmp_path, shapes, 1)
+        smollm2.STORE.read_manifest(tmp_path, shapes, 1)
     good = _manifest({"file": smollm2.GGUF_NAME, "sha256": smollm2.GGUF_SHA256})
     (tmp_path / "manifest.json").write_text(json.dumps(good))
-    assert set(smollm2._read_manifest(tmp_path, shapes, 1)) == set(shapes)
+    assert set(smollm2.STORE.read_manifest(tmp_path, shapes, 1)) == set(shapes)

@@ -118,8 +118,8 @@ def _forbid_gguf(monkeypatch):
     """Make any GGUF download or parse fail, proving a load used only the cache."""
     def refuse(*args, **kwargs):
         raise AssertionError("the GGUF was used although a valid cache entry exists")
-    monkeypatch.setattr(smollm2, "fetch_gguf", refuse)
-    monkeypatch.setattr(smollm2, "_open_gguf", refuse)
+    monkeypatch.setattr(smollm2.STORE, "fetch_gguf", refuse)
+    monkeypatch.setattr(smollm2.STORE, "open_gguf", refuse)
 
 
 # ----- numerics against transformers -----------------------------------------------------------

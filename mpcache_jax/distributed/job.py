@@ -57,7 +57,7 @@ def load_prompt(job: JobSpec, prompt_file: str | None = None) -> tuple[list[int]
             raise ValueError(f"model {job.model!r} has no tokenizer: give job.prompt_ids or "
                              "job.seq_len random ids instead of a prompt file")
         text = path.read_text()
-        ids = tokenizer.encode_chat(text) if job.chat else tokenizer.encode(text)
+        ids = tokenizer.encode_request(text, chat=job.chat)
         return ids, tuple(tokenizer.stop_ids)
     if job.prompt_ids is not None:
         ids = [int(t) for t in job.prompt_ids]
