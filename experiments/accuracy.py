@@ -414,36 +414,24 @@ def plot_needle_heatmaps(sample_records, path):
     plt.close(fig)
 
 
-def check_context(cfg, lengths: list[int], max_new_tokens: int) -> None:
-    """--lengths plus the generated tokens must fit the model's context (before any work)."""
-    longest = max(lengths)
-    if longest + max_new_tokens > cfg.max_position:
-        raise ValueError(f"--lengths={longest} with --max_new_tokens={max_new_tokens} exceeds "
-                         f"{cfg.name}'s context of {cfg.max_position} positions; use lengths up "
-                         f"to {cfg.max_position - max_new_tokens}")
-
-
 def run(FLAGS) -> None:
     task_names = parse_tasks(FLAGS.task)
     policies = build_policies(FLAGS)
     lengths = parse_numbers("lengths", FLAGS.lengths, int)
     depths = parse_numbers("depths", FLAGS.depths, float)
-    check_context(registry.get_config(FLAGS.model, FLAGS.num_layers), lengths,
-                  FLAGS.max_new_tokens)
-    out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
-    settings = record_settings(FLAGS)
-    settings_hash = common.config_hash(settings)
-    all_records = load_finished(out, settings) if FLAGS.resume else []
     context = registry.get_config(FLAGS.model, FLAGS.num_layers).max_position
     steps = max(FLAGS.max_new_tokens, FLAGS.ppl_target_len if
                 {"ppl", "continuation"} & set(task_names) else 0)
     fitted = prompt_lengths(lengths, steps, context, FLAGS.model)   # before any work
+    out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
+    settings = record_settings(FLAGS)
+    settings_hash = common.config_hash(settings)
+    all_records = load_finished(out, settings) if FLAGS.resume else []
     loaded = common.with_model_numerics(
         registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
                       seed=FLAGS.seed, num_layers=FLAGS.num_layers), FLAGS)
     if loaded.tokenizer is None:
         raise SystemExit(f"model {FLAGS.model!r} has no tokenizer; accuracy runs need a real model")
-    context = loaded.model.cfg.max_position
     if fitted != sorted(lengths):
         print(f"prompt lengths {fitted}: --lengths cut to leave room for {steps} new tokens in "
               f"{FLAGS.model}'s context of {context}")

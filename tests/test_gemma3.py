@@ -412,10 +412,10 @@ def test_corrupted_or_truncated_gguf_is_a_one_line_error_naming_the_file(gemma, 
 
 
 def test_lengths_beyond_the_context_are_refused():
-    from experiments.accuracy import check_context
+    from experiments.accuracy import prompt_lengths
 
     cfg = registry.get_config("gemma3-270m")
-    check_context(cfg, [32768 - 64], 64)
-    with pytest.raises(ValueError, match="--lengths=40000 with --max_new_tokens=64 exceeds "
+    assert prompt_lengths([32768], 64, cfg.max_position, cfg.name) == [32768 - 64]
+    with pytest.raises(ValueError, match="--lengths=2048,40000: 40000 exceeds "
                                          "gemma3-270m's context of 32768"):
-        check_context(cfg, [2048, 40000], 64)
+        prompt_lengths([2048, 40000], 64, cfg.max_position, cfg.name)
