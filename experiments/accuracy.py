@@ -34,10 +34,19 @@ def parse_variants(FLAGS) -> list[tuple[str, str, dict]]:
         except json.JSONDecodeError as err:
             raise SystemExit(f"--variants is not valid JSON ({err}); expected "
                              '{"label": {"policy": "mpcache", "alpha": 0.5}, ...}')
+        if not isinstance(extra, dict):
+            raise SystemExit('--variants must be a JSON object: {"label": {"policy": NAME, ...}}')
         for label, spec in extra.items():
+            if not isinstance(spec, dict):
+                raise SystemExit(f"--variants entry {label!r} must be an object such as "
+                                 '{"policy": "mpcache", "refresh_every": 4}')
             spec = dict(spec)
             if "policy" not in spec:
                 raise SystemExit(f"--variants entry {label!r} needs a 'policy' field")
+            if "budget" in spec:
+                raise SystemExit(f"--variants entry {label!r} sets 'budget'; budgets come from "
+                                 "--budgets (each variant runs at every one): drop it from the "
+                                 "entry")
             name = spec.pop("policy")
             if "levels" in spec:  # JSON lists -> hashable tuples
                 spec["levels"] = tuple((s, k) for s, k in spec["levels"])
@@ -423,6 +432,11 @@ def run(FLAGS) -> None:
     steps = max(FLAGS.max_new_tokens, FLAGS.ppl_target_len if
                 {"ppl", "continuation"} & set(task_names) else 0)
     fitted = prompt_lengths(lengths, steps, context, FLAGS.model)   # before any work
+    for label, budget, policy in policies:
+        if getattr(policy, "reuses", False) and isinstance(budget, int) and budget > max(fitted):
+            raise SystemExit(f"--budgets={budget} tokens: {label}'s working set (refresh_every="
+                             f"{policy.refresh_every}) would exceed the longest prompt "
+                             f"({max(fitted)} tokens); lower the budget or give a ratio")
     out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
     settings = record_settings(FLAGS)
     settings_hash = common.config_hash(settings)

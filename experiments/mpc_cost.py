@@ -129,7 +129,11 @@ class CostConfig:
         if self.bench in ("decode", "generate"):
             for label, name, options in self.policies:
                 if name not in ("full", "no_cache"):
-                    make_policy(name, budget=self.budget, **(options or {}))
+                    policy = make_policy(name, budget=self.budget, **(options or {}))
+                    check = getattr(policy, "check_prompt", None)
+                    if self.bench == "decode" and check:   # now, not mid-run
+                        for T in self.seq_lens:
+                            check(T)
 
     @classmethod
     def from_flags(cls, FLAGS) -> "CostConfig":

@@ -208,6 +208,19 @@ def test_every_shipped_flagfile_names_registered_policies_that_construct():
     assert checked >= 15
 
 
+@pytest.mark.parametrize("variants,message", [
+    ('{"x": {"policy": "mpcache", "budget": 64}}', "sets 'budget'; budgets come from --budgets"),
+    ('{"x": 3}', "entry 'x' must be an object"),
+    ('[1]', "must be a JSON object"),
+    ('{"x": {"refresh_every": 2}}', "needs a 'policy' field"),
+])
+def test_a_bad_variants_entry_is_a_one_line_error(variants, message):
+    import types
+    from experiments.accuracy import parse_variants
+    with pytest.raises(SystemExit, match=message):
+        parse_variants(types.SimpleNamespace(policies=["full"], variants=variants))
+
+
 @pytest.mark.parametrize("text,message", [
     ("", "no samples"),
     ('{"context": "a", "input": "b", "answers": ["c"]}\n{"context": "a", "input": \n',
