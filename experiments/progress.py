@@ -143,8 +143,8 @@ class GenerationProgress:
             return
         self.eta.step(now)
         if self.bar is not None:
+            self.bar.set_postfix_str(self.status(), refresh=False)   # shown by the update
             self.bar.update()
-            self._refresh()
 
     def status(self) -> str:
         """The bar's postfix: time left and pace from decode steps, the answer so far."""
@@ -152,10 +152,6 @@ class GenerationProgress:
         pace = "timing the first decode step" if per is None else f"{per:.1f} s/token"
         text = self.decode_text(self.tokens)[-32:]
         return f"eta {format_duration(self.eta.eta_s())} ({pace}) {text!r}"
-
-    def _refresh(self) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(self.status())
 
     def close(self) -> None:
         if self.bar is not None:
