@@ -142,6 +142,14 @@ def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
     tok, T = loaded.tokenizer, len(prompt_ids)
     print(f"private generation: {loaded.model.cfg.name}, {cfg.protocol} ({cfg.parties} parties, "
           f"SPU simulator), policy {name} (budget {budget}), prompt of {T} tokens")
+    # The plaintext run of the same programs first (seconds): the secure answer is checked
+    # against it, and its length is the number of tokens the progress bar expects (the secure
+    # run stops at the same end-of-turn token unless fixed-point noise flips a near tie).
+    print("plaintext run of the same programs (the reference for the check) ...",
+          file=sys.stderr, flush=True)
+    plain = mpc.SecureSession(mpc.make_backend("xla"), loaded.model, loaded.params,
+                              policy).generate(prompt_ids, FLAGS.max_new_tokens,
+                                               stop_ids=tok.stop_ids, reveal_logits=True)
     session = mpc.SecureSession(mpc.make_backend("spu_sim", cfg), loaded.model, loaded.params,
                                 policy)
 
@@ -152,8 +160,8 @@ def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
         fields = cost_fields(step.cost, step.wall_s, cfg.parties)
         return f"{fields['comm_bytes'] / 1e9:.2f} GB, {fields['messages']:,} messages"
 
-    progress = GenerationProgress(T, FLAGS.max_new_tokens, describe_cost=describe_cost,
-                                  decode_text=tok.decode)
+    progress = GenerationProgress(T, FLAGS.max_new_tokens, expected_tokens=len(plain.tokens),
+                                  describe_cost=describe_cost, decode_text=tok.decode)
     start = time.perf_counter()
     try:
         result = session.generate(prompt_ids, FLAGS.max_new_tokens, stop_ids=tok.stop_ids,
@@ -161,11 +169,6 @@ def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
     finally:
         progress.close()
     total_s = time.perf_counter() - start
-    print("checking against the plaintext run of the same programs ...", file=sys.stderr,
-          flush=True)
-    plain = mpc.SecureSession(mpc.make_backend("xla"), loaded.model, loaded.params,
-                              policy).generate(prompt_ids, FLAGS.max_new_tokens,
-                                               stop_ids=tok.stop_ids, reveal_logits=True)
     same = result.tokens == plain.tokens
     divergence = None if same else first_divergence(result.tokens, plain)
     records = generation_records(

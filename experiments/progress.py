@@ -8,7 +8,10 @@ of `max_new_tokens` divides everything before it by one token and so predicts th
 tokens at the prefill's pace (an ETA of ~50 minutes for a job that ends in ~6). Here the
 prefill is reported apart (what runs, then its seconds, bytes and messages once measured: SPU
 reports a program's cost only after running it), and `DecodeETA` predicts the rest from the
-intervals between decode steps.
+intervals between decode steps. How many steps: the expected answer length when the caller
+knows it (the main job runs the plaintext reference first, and the secure run stops at the same
+end-of-turn token), else `max_new_tokens`; a run that goes past the expected length falls back
+to `max_new_tokens`.
 
 `DecodeETA` is pure bookkeeping on timestamps (tests feed it fake ones); `GenerationProgress`
 prints with it.
@@ -39,9 +42,9 @@ class DecodeETA:
     step. A step's duration is the interval since the previous one (the first: since start),
     so everything between two tokens counts (the MPC program, sharing the token, revealing the
     next); compilation and the prefill never do. `seconds_per_step` is the mean of the last
-    `window` intervals (all of them by default); `eta_s` = that x the steps left, None until a
-    decode step has been timed. A run that stops early (an end-of-turn token) simply ends
-    before the ETA runs out: the ETA assumes every step runs."""
+    `window` intervals (all of them by default); `eta_s` = that x the steps left of
+    `total_steps` (which the caller may raise while running), None until a decode step has
+    been timed."""
 
     def __init__(self, total_steps: int, window: int | None = None):
         if total_steps < 0:
@@ -97,16 +100,21 @@ class GenerationProgress:
     Wire it to `SecureSession.generate(..., on_phase=progress.phase, on_step=progress.step)`
     and call `close()` after. `describe_cost(step) -> str` formats a step's measured cost (the
     caller knows the party count); `decode_text(tokens) -> str` shows the answer so far.
-    `clock` is injectable for tests."""
+    `expected_tokens`: the answer length the caller expects (the plaintext run's), else
+    max_new_tokens. `clock` is injectable for tests."""
 
     def __init__(self, prompt_tokens: int, max_new_tokens: int, *,
+                 expected_tokens: int | None = None,
                  describe_cost: Callable[[object], str] = lambda step: "",
                  decode_text: Callable[[list], str] = lambda tokens: "",
                  clock: Callable[[], float] = time.perf_counter, file: TextIO | None = None):
         self.prompt_tokens, self.max_new_tokens = prompt_tokens, max_new_tokens
         self.describe_cost, self.decode_text, self.clock = describe_cost, decode_text, clock
         self.file = file if file is not None else sys.stderr
-        self.eta = DecodeETA(max(0, max_new_tokens - 1))   # the first token comes from prefill
+        if expected_tokens is not None and not 1 <= expected_tokens <= max_new_tokens:
+            raise ValueError(f"expected_tokens={expected_tokens} must be in 1..{max_new_tokens}")
+        self.expected_tokens = expected_tokens or max_new_tokens
+        self.eta = DecodeETA(self.expected_tokens - 1)   # the first token comes from prefill
         self.tokens: list = []
         self.bar: tqdm | None = None
         self._phase_start = clock()
@@ -135,13 +143,19 @@ class GenerationProgress:
             cost = self.describe_cost(step)
             self._say(f"secure prefill: done in {now - self._phase_start:.1f} s"
                       + (f", {cost}" if cost else "")
-                      + f"; first token {self.decode_text(self.tokens)!r}")
+                      + f"; first token {self.decode_text(self.tokens)!r}"
+                      + (f"; decoding up to {self.expected_tokens} tokens (the plaintext run's "
+                         "answer length)" if self.expected_tokens < self.max_new_tokens else ""))
             self.eta.start(now)
-            self.bar = tqdm(total=self.max_new_tokens, initial=1, desc="decode",
+            self.bar = tqdm(total=self.expected_tokens, initial=1, desc="decode",
                             unit="tok", file=self.file, dynamic_ncols=True,
                             postfix=self.status(), bar_format=BAR_FORMAT)
             return
         self.eta.step(now)
+        if self.eta.done > self.eta.total_steps:     # past the expected answer: up to the cap
+            self.eta.total_steps = self.max_new_tokens - 1
+            if self.bar is not None:
+                self.bar.total = self.max_new_tokens
         if self.bar is not None:
             self.bar.set_postfix_str(self.status(), refresh=False)   # shown by the update
             self.bar.update()

@@ -114,3 +114,44 @@ def test_generation_progress_without_tokens_off_the_client():
     progress.step(StepCost("decode", 10, 2.0, None), None)
     assert progress.eta.eta_s() == pytest.approx(2.0)
     progress.close()
+
+
+def test_expected_answer_length_sets_the_bar_and_eta():
+    # The plaintext run answered in 5 tokens: after token 3, 2 decode steps are left, not 13.
+    clock, out = FakeClock(), io.StringIO()
+    progress = GenerationProgress(173, 16, expected_tokens=5, clock=clock, file=out)
+    progress.phase("compile")
+    progress.phase("prefill")
+    clock.now = 200.0
+    progress.step(StepCost("prefill", 173, 140.0, None), 1)
+    assert "decoding up to 5 tokens" in out.getvalue()
+    for i, t in enumerate((210.0, 218.0)):
+        clock.now = t
+        progress.step(StepCost("decode", 173 + i, 9.0, None), 2 + i)
+    assert progress.bar.total == 5 and progress.bar.n == 3
+    assert progress.eta.eta_s() == pytest.approx(2 * 9.0)
+    progress.close()
+
+
+def test_a_run_past_the_expected_length_falls_back_to_max_new_tokens():
+    clock, out = FakeClock(), io.StringIO()
+    progress = GenerationProgress(10, 8, expected_tokens=2, clock=clock, file=out)
+    progress.phase("compile")
+    progress.phase("prefill")
+    clock.now = 10.0
+    progress.step(StepCost("prefill", 10, 10.0, None), 1)
+    clock.now = 12.0
+    progress.step(StepCost("decode", 10, 2.0, None), 2)      # token 2 of the expected 2
+    assert progress.eta.eta_s() == 0.0
+    clock.now = 14.0
+    progress.step(StepCost("decode", 11, 2.0, None), 3)      # secure run goes on
+    assert progress.bar.total == 8 and progress.eta.total_steps == 7
+    assert progress.eta.eta_s() == pytest.approx(5 * 2.0)
+    progress.close()
+
+
+def test_expected_tokens_out_of_range():
+    with pytest.raises(ValueError, match="expected_tokens=0"):
+        GenerationProgress(10, 8, expected_tokens=0, file=io.StringIO())
+    with pytest.raises(ValueError, match="expected_tokens=9"):
+        GenerationProgress(10, 8, expected_tokens=9, file=io.StringIO())
