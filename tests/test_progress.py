@@ -76,6 +76,16 @@ class FakeClock:
         return self.now
 
 
+def run_steps(progress, clock, times, tokens, prompt_tokens=10):
+    """Compile and prefill (ending at times[0]), then one decode step at each later time."""
+    progress.phase("compile")
+    progress.phase("prefill")
+    for i, (t, token) in enumerate(zip(times, tokens)):
+        clock.now = t
+        phase = "prefill" if i == 0 else "decode"
+        progress.step(StepCost(phase, prompt_tokens + i, 1.0, None), token)
+
+
 def test_generation_progress_reports_prefill_apart_and_eta_from_decode():
     clock, out = FakeClock(), io.StringIO()
     progress = GenerationProgress(
@@ -104,14 +114,10 @@ def test_generation_progress_reports_prefill_apart_and_eta_from_decode():
 
 def test_generation_progress_without_tokens_off_the_client():
     # A party that is not the client sees token None: the bar still counts steps.
-    clock, out = FakeClock(), io.StringIO()
-    progress = GenerationProgress(10, 3, clock=clock, file=out)
-    progress.phase("compile")
-    progress.phase("prefill")
-    clock.now = 5.0
-    progress.step(StepCost("prefill", 10, 5.0, None), None)
-    clock.now = 7.0
-    progress.step(StepCost("decode", 10, 2.0, None), None)
+    clock = FakeClock()
+    progress = GenerationProgress(10, 3, clock=clock, file=io.StringIO())
+    run_steps(progress, clock, (5.0, 7.0), (None, None))
+    assert progress.bar.n == 2
     assert progress.eta.eta_s() == pytest.approx(2.0)
     progress.close()
 
@@ -120,31 +126,20 @@ def test_expected_answer_length_sets_the_bar_and_eta():
     # The plaintext run answered in 5 tokens: after token 3, 2 decode steps are left, not 13.
     clock, out = FakeClock(), io.StringIO()
     progress = GenerationProgress(173, 16, expected_tokens=5, clock=clock, file=out)
-    progress.phase("compile")
-    progress.phase("prefill")
-    clock.now = 200.0
-    progress.step(StepCost("prefill", 173, 140.0, None), 1)
+    run_steps(progress, clock, (200.0, 210.0, 218.0), (1, 2, 3))
     assert "decoding up to 5 tokens" in out.getvalue()
-    for i, t in enumerate((210.0, 218.0)):
-        clock.now = t
-        progress.step(StepCost("decode", 173 + i, 9.0, None), 2 + i)
     assert progress.bar.total == 5 and progress.bar.n == 3
     assert progress.eta.eta_s() == pytest.approx(2 * 9.0)
     progress.close()
 
 
 def test_a_run_past_the_expected_length_falls_back_to_max_new_tokens():
-    clock, out = FakeClock(), io.StringIO()
-    progress = GenerationProgress(10, 8, expected_tokens=2, clock=clock, file=out)
-    progress.phase("compile")
-    progress.phase("prefill")
-    clock.now = 10.0
-    progress.step(StepCost("prefill", 10, 10.0, None), 1)
-    clock.now = 12.0
-    progress.step(StepCost("decode", 10, 2.0, None), 2)      # token 2 of the expected 2
+    clock = FakeClock()
+    progress = GenerationProgress(10, 8, expected_tokens=2, clock=clock, file=io.StringIO())
+    run_steps(progress, clock, (10.0, 12.0), (1, 2))           # token 2 of the expected 2
     assert progress.eta.eta_s() == 0.0
     clock.now = 14.0
-    progress.step(StepCost("decode", 11, 2.0, None), 3)      # secure run goes on
+    progress.step(StepCost("decode", 12, 2.0, None), 3)       # the secure run goes on
     assert progress.bar.total == 8 and progress.eta.total_steps == 7
     assert progress.eta.eta_s() == pytest.approx(5 * 2.0)
     progress.close()
