@@ -147,11 +147,18 @@ def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
     # run stops at the same end-of-turn token unless fixed-point noise flips a near tie).
     print("plaintext run of the same programs (the reference for the check) ...",
           file=sys.stderr, flush=True)
+    phase_start = time.perf_counter()
     plain = mpc.SecureSession(mpc.make_backend("xla"), loaded.model, loaded.params,
                               policy).generate(prompt_ids, FLAGS.max_new_tokens,
                                                stop_ids=tok.stop_ids, reveal_logits=True)
+    print(f"plaintext run: {len(plain.tokens)} tokens in {time.perf_counter() - phase_start:.0f} "
+          f"s; secret-sharing the weights among the {cfg.parties} parties ...", file=sys.stderr,
+          flush=True)
+    phase_start = time.perf_counter()
     session = mpc.SecureSession(mpc.make_backend("spu_sim", cfg), loaded.model, loaded.params,
                                 policy)
+    print(f"weights shared in {time.perf_counter() - phase_start:.0f} s", file=sys.stderr,
+          flush=True)
 
     def describe_cost(step) -> str:
         """A step's measured cost, counted as the result records count it."""
