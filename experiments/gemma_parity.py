@@ -16,6 +16,7 @@ Results and the command that made them: docs/models.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -161,6 +162,13 @@ def main(argv=None) -> int:
     parser.add_argument("--cache_dir", default=None)
     parser.add_argument("--tolerance", type=float, default=1e-3)
     args = parser.parse_args(argv)
+    missing = [name for name in ("torch", "transformers")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"error: {' and '.join(missing)} not installed: the references are test-only "
+              "(requirements-dev.txt); add them with bash scripts/dev_requirements.sh (or "
+              "pip install -e '.[dev]')", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from models import gemma3
 

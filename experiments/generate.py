@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import pathlib
 import resource
+import sys
 import tempfile
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 from experiments import common
+from experiments.progress import GenerationProgress
 
 
 def read_prompt(FLAGS) -> str:
@@ -130,6 +131,7 @@ def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
     from experiments.mpc_cost import mpc_config
     from mpcache_jax import mpc
     from mpcache_jax.distributed.costs import generation_records
+    from mpcache_jax.mpc.costs import cost_fields
     if FLAGS.temperature != 0.0:
         raise ValueError("private generation is greedy: drop --temperature (the sampled token "
                          "is the argmax, computed under MPC)")
@@ -140,24 +142,40 @@ def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
     tok, T = loaded.tokenizer, len(prompt_ids)
     print(f"private generation: {loaded.model.cfg.name}, {cfg.protocol} ({cfg.parties} parties, "
           f"SPU simulator), policy {name} (budget {budget}), prompt of {T} tokens")
-    session = mpc.SecureSession(mpc.make_backend("spu_sim", cfg), loaded.model, loaded.params,
-                                policy)
-    bar = tqdm(total=FLAGS.max_new_tokens, desc="compiling", unit="tok")
-    tokens: list[int] = []
-
-    def on_step(step, token):
-        tokens.append(token)
-        bar.set_description("prefill" if step.phase == "prefill" else "decode")
-        bar.set_postfix_str(repr(tok.decode(tokens)[-32:]))
-        bar.update()
-    start = time.perf_counter()
-    result = session.generate(prompt_ids, FLAGS.max_new_tokens, stop_ids=tok.stop_ids,
-                              on_step=on_step)
-    total_s = time.perf_counter() - start
-    bar.close()
+    # The plaintext run of the same programs first (seconds): the secure answer is checked
+    # against it, and its length is the number of tokens the progress bar expects (the secure
+    # run stops at the same end-of-turn token unless fixed-point noise flips a near tie).
+    print("plaintext run of the same programs (the reference for the check) ...",
+          file=sys.stderr, flush=True)
+    phase_start = time.perf_counter()
     plain = mpc.SecureSession(mpc.make_backend("xla"), loaded.model, loaded.params,
                               policy).generate(prompt_ids, FLAGS.max_new_tokens,
                                                stop_ids=tok.stop_ids, reveal_logits=True)
+    print(f"plaintext run: {len(plain.tokens)} tokens in {time.perf_counter() - phase_start:.0f} "
+          f"s; secret-sharing the weights among the {cfg.parties} parties ...", file=sys.stderr,
+          flush=True)
+    phase_start = time.perf_counter()
+    session = mpc.SecureSession(mpc.make_backend("spu_sim", cfg), loaded.model, loaded.params,
+                                policy)
+    print(f"weights shared in {time.perf_counter() - phase_start:.0f} s", file=sys.stderr,
+          flush=True)
+
+    def describe_cost(step) -> str:
+        """A step's measured cost, counted as the result records count it."""
+        if step.cost is None:
+            return ""
+        fields = cost_fields(step.cost, step.wall_s, cfg.parties)
+        return f"{fields['comm_bytes'] / 1e9:.2f} GB, {fields['messages']:,} messages"
+
+    progress = GenerationProgress(T, FLAGS.max_new_tokens, expected_tokens=len(plain.tokens),
+                                  describe_cost=describe_cost, decode_text=tok.decode)
+    start = time.perf_counter()
+    try:
+        result = session.generate(prompt_ids, FLAGS.max_new_tokens, stop_ids=tok.stop_ids,
+                                  on_step=progress.step, on_phase=progress.phase)
+    finally:
+        progress.close()
+    total_s = time.perf_counter() - start
     same = result.tokens == plain.tokens
     divergence = None if same else first_divergence(result.tokens, plain)
     records = generation_records(

