@@ -109,17 +109,18 @@ def make_ca(directory: pathlib.Path, name: str = "ca") -> None:
     """A throwaway self-signed CA: directory/name.crt, name.key."""
     directory.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
-             "-out", f"{name}.crt", "-days", "1", "-subj", f"/CN={name}", cwd=directory)
+             "-out", f"{name}.crt", "-days", "30", "-subj", f"/CN={name}", cwd=directory)
 
 
 def issue_cert(directory: pathlib.Path, file_tag: str, cn: str, ca: str = "ca",
-               san: str = "IP:127.0.0.1,DNS:localhost") -> None:
-    """directory/file_tag.crt + .key: CN=cn, subjectAltName=san, signed by directory/ca."""
+               san: str = "IP:127.0.0.1,DNS:localhost", days: int = 30) -> None:
+    """directory/file_tag.crt + .key: CN=cn, subjectAltName=san, signed by directory/ca, valid
+    for `days` from now (-1: expired yesterday)."""
     (directory / f"{file_tag}.ext").write_text(f"subjectAltName={san}\n")
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{file_tag}.key", "-out",
              f"{file_tag}.csr", "-subj", f"/CN={cn}", cwd=directory)
     _openssl("x509", "-req", "-in", f"{file_tag}.csr", "-CA", f"{ca}.crt", "-CAkey",
-             f"{ca}.key", "-CAcreateserial", "-out", f"{file_tag}.crt", "-days", "1",
+             f"{ca}.key", "-CAcreateserial", "-out", f"{file_tag}.crt", "-days", str(days),
              "-extfile", f"{file_tag}.ext", cwd=directory)
 
 
@@ -280,13 +281,15 @@ class ConfigCase:
     party: str = "all"
     extra_args: tuple[str, ...] = ()
     expected: str = "exit 2 before any party starts, saying what to change"
+    rewrite: Callable[[str], str] | None = None   # edits the JSON text (e.g. a repeated key)
 
     def run(self, ctx: Context) -> Observed:
         folder = ctx.case_dir(self.name)
         raw = node_config(3, "ABY3", ctx.ports(3))
         self.mutate(raw, folder)
         path = folder / "nodes.json"
-        path.write_text(json.dumps(raw))
+        text = json.dumps(raw)
+        path.write_text(self.rewrite(text) if self.rewrite else text)
         out = folder / "out"
         start = time.perf_counter()
         result = subprocess.run([sys.executable, "-m", "experiments.party",
@@ -531,7 +534,45 @@ def _config_cases() -> list:
     def owner_with_node2_cert(raw, folder):
         _spu(raw)["link"]["tls"] = _tls_files(folder, raw["nodes"], swap=("node:1", "node:2"))
 
+    def node2_at(address):
+        def mutate(raw, folder):
+            raw["nodes"]["node:2"] = address(raw)
+        return mutate
+
+    def same_port_as_node0(raw):
+        return "localhost:" + raw["nodes"]["node:0"].rpartition(":")[2]
+
+    def expired_cert(raw, folder):
+        _spu(raw)["link"]["tls"] = _tls_files(folder, raw["nodes"])
+        issue_cert(folder / "certs", "node_0", "node:0", days=-1)
+
+    def repeat_node1(text):
+        # {"node:0": ..., "node:1": A, "node:2": ...} -> a second "node:1" key in "nodes"
+        start = text.index('"node:1": "127.0.0.1:')
+        entry = text[start:text.index('"', start + len('"node:1": "')) + 1]
+        return text.replace(entry, f'{entry}, {entry.replace("node:1", "node:1", 1)}', 1)
+
     return [
+        ConfigCase("config: IPv6 literal", "node:2 at [::1]:P (the probe passed the brackets to "
+                   "socket.create_connection: a healthy peer was reported hung)",
+                   node2_at(lambda raw: "[::1]:" + raw["nodes"]["node:2"].rpartition(":")[2]),
+                   ("nodes['node:2']='[::1]:", "IPv6 address: not supported")),
+        ConfigCase("config: full-width port", "node:2's port in full-width digits "
+                   "('\uff16\uff12\uff14\uff11\uff12'.isdigit() is true)",
+                   node2_at(lambda raw: "127.0.0.1:\uff16\uff12\uff14\uff11\uff12"),
+                   ("ASCII digits 0-9",)),
+        ConfigCase("config: connect_timeout_s 1e12", "link.connect_timeout_s = 1e12 (a pybind "
+                   "TypeError traceback from the retry count)", link(connect_timeout_s=1e12),
+                   ("link.connect_timeout_s=1e+12 is beyond", "use at most 604800")),
+        ConfigCase("config: repeated node id", 'the key "node:1" twice in "nodes" (the last '
+                   "won, silently)", lambda raw, folder: None,
+                   ("the key 'node:1' appears twice",), rewrite=repeat_node1),
+        ConfigCase("config: same port via localhost", "node:2 at localhost:P where node:0 is at "
+                   "127.0.0.1:P", node2_at(same_port_as_node0),
+                   ("nodes 'node:0' and 'node:2' both use port",)),
+        ConfigCase("config: expired certificate", "node:0's CA-signed certificate expired "
+                   "yesterday (caught only at run time)", expired_cert,
+                   ("link.tls.certs['node:0'].cert=", "expired on")),
         ConfigCase("config: node id a/b", "node id 'a/b' (crashed the launcher, which left "
                    "parties holding ports)", rename, ("node id 'a/b' is not allowed",)),
         ConfigCase("config: string peer_timeout_s", 'link.peer_timeout_s = "10"',

@@ -53,9 +53,10 @@ def main(argv):
         sys.exit(1)
     try:
         if who == "all":
+            from mpcache_jax.distributed.config import DuplicateKeyError, loads_strict
             try:
-                overrides = json.loads(FLAGS.job) if FLAGS.job else {}
-            except json.JSONDecodeError as err:
+                overrides = loads_strict(FLAGS.job) if FLAGS.job else {}
+            except (json.JSONDecodeError, DuplicateKeyError) as err:
                 raise NodeConfigError(f"--job is not valid JSON: {err}") from None
             if not isinstance(overrides, dict):
                 raise NodeConfigError(f"--job must be a JSON object, e.g. '{{\"policy\": "
@@ -72,6 +73,9 @@ def main(argv):
                 print(json.dumps(records[-1]))
             return 0
         config = load_node_config(FLAGS.node_config, party=who)
+        if not FLAGS.worker:
+            for warning in config.warnings:
+                print(f"[party {who}] warning: {warning}", file=sys.stderr, flush=True)
         if FLAGS.job:
             raise NodeConfigError("--job overrides are for --party=all only: every party must "
                                   "read the same job, so edit the node config instead")

@@ -246,6 +246,27 @@ CASES = {
                                'or add "insecure": true to the link section'),
     "insecure with TLS": (lambda r: _spu(r)["link"].update(insecure=True, tls={
         "ca": "ca.crt", "certs": {}}), "link.insecure=true and link.tls contradict"),
+    # issue 32: configs that passed validation and failed at run time
+    "IPv6 literal": (lambda r: r["nodes"].update({"node:2": "[::1]:61402"}),
+                     "nodes['node:2']='[::1]:61402' is an IPv6 address: not supported"),
+    "bare IPv6": (lambda r: r["nodes"].update({"node:2": "::1:61402"}),
+                  "is an IPv6 address: not supported"),
+    "full-width port": (lambda r: r["nodes"].update({"node:2": "127.0.0.1:\uff16\uff12\uff14"}),
+                        "must be a number from 1 to 65535 in ASCII digits 0-9"),
+    "port 0": (lambda r: r["nodes"].update({"node:2": "127.0.0.1:0"}),
+               "must be a number from 1 to 65535"),
+    "port as a number": (lambda r: r["nodes"].update({"node:2": 61402}),
+                         "must be a string \"host:port\""),
+    "same port via localhost": (lambda r: r["nodes"].update({"node:2": "localhost:61400"}),
+                                "nodes 'node:0' and 'node:2' both use port 61400"),
+    "connect timeout 1e12": (lambda r: _spu(r)["link"].update(connect_timeout_s=1e12),
+                             "link.connect_timeout_s=1e+12 is beyond the longest timeout the "
+                             "link accepts, 604800 s"),
+    "retry interval beyond 32 bits": (
+        lambda r: _spu(r)["link"].update(connect_retry_interval_ms=2**40),
+        "link.connect_retry_interval_ms=1099511627776 is beyond the bound"),
+    "job timeout beyond a week": (lambda r: r["job"].update(timeout_s=1e9),
+                                  "job.timeout_s=1e+09 is beyond 604800 s"),
 }
 
 
@@ -272,6 +293,57 @@ def test_party_cli_rejects_a_bad_config_before_starting(tmp_path, case):
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (out.exists() and list(out.glob("party_*.log")))
     assert not fc.processes_mentioning(str(out))
+
+
+def test_a_repeated_key_is_refused_at_load(tmp_path):
+    """json.loads keeps the last of two equal keys; the loader refuses them, in any object."""
+    text = json.dumps(node_config(3, "ABY3"))
+    entry = '"node:1": "127.0.0.1:61401"'
+    path = tmp_path / "nodes.json"
+    path.write_text(text.replace(entry, f'{entry}, "node:1": "127.0.0.1:61409"'))
+    with pytest.raises(NodeConfigError, match="the key 'node:1' appears twice"):
+        load_node_config(path)
+    path.write_text(text.replace('"seq_len": 32', '"seq_len": 32, "seq_len": 64'))
+    with pytest.raises(NodeConfigError, match="the key 'seq_len' appears twice"):
+        load_node_config(path)
+
+
+def _tls_config(tmp_path, node0_days: int):
+    parties = ["node:0", "node:1", "node:2"]
+    fc.make_certs(tmp_path / "certs", parties)
+    fc.issue_cert(tmp_path / "certs", "node_0", "node:0", days=node0_days)
+    return write(tmp_path, node_config(3, "ABY3", tls=tls_section(parties)))
+
+
+def test_an_expired_certificate_is_refused_at_load(tmp_path):
+    path = _tls_config(tmp_path, node0_days=-1)
+    with pytest.raises(NodeConfigError, match=r"link.tls.certs\['node:0'\].cert=.* expired on"):
+        load_node_config(path)
+    with pytest.raises(NodeConfigError, match="expired on"):
+        load_node_config(path, party="node:0")
+    load_node_config(path, party="node:1")        # a party checks its own files only
+
+
+def test_a_certificate_expiring_within_a_week_warns_at_load(tmp_path):
+    path = _tls_config(tmp_path, node0_days=3)
+    config = load_node_config(path)
+    assert len(config.warnings) == 1 and "link.tls.certs['node:0'].cert" in config.warnings[0]
+    assert "expires on" in config.warnings[0]
+    assert not load_node_config(path, party="node:1").warnings
+
+
+def test_the_documented_certificate_recipe_fits_the_shipped_tls_config(tmp_path):
+    """scripts/make_certs.sh (the recipe in WORKSPACE.md) makes CN=node:N certificates with a
+    SAN for each host; the shipped 3pc_aby3_hosts_tls.json loads with them, whole and per party."""
+    import shutil
+    nodes = tmp_path / "nodes"
+    shutil.copytree(NODES, nodes)
+    subprocess.run(["bash", str(REPO / "scripts" / "make_certs.sh"), str(nodes / "certs"),
+                    "10.0.0.1", "10.0.0.2", "10.0.0.3"], check=True, capture_output=True)
+    config = load_node_config(nodes / "3pc_aby3_hosts_tls.json")
+    assert config.link.tls is not None and not config.warnings
+    for pid in config.party_ids:
+        load_node_config(nodes / "3pc_aby3_hosts_tls.json", party=pid)
 
 
 def test_job_overrides_are_bounded_before_anything_starts(tmp_path):
