@@ -47,6 +47,7 @@ def main(argv):
                                              PartyFailure, load_node_config, run_loopback,
                                              run_party)
         from mpcache_jax.distributed.supervise import supervise
+        from mpcache_jax.distributed.party import AddressInUse
     except Exception as err:  # noqa: BLE001 - a broken install must still say why
         traceback.print_exc()
         print(f"[party {who}] error: cannot import the launcher: {err}", file=sys.stderr, flush=True)
@@ -95,6 +96,9 @@ def main(argv):
         os._exit(0)
     except NodeConfigError as err:
         print(f"[party {who}] error: bad node config: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    except AddressInUse as err:
+        print(f"[party {who}] error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
     except Interrupted as err:
         print(f"[party {who}] error: {err}", file=sys.stderr, flush=True)
