@@ -334,6 +334,8 @@ def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) 
             reply += got
         if front_mod.check_hello_reply(reply, hello_key(config), nonce, peer):
             return Probe(ALIVE)
+        if not reply and stage == "first read":
+            return _closed_after_handshake()
         if not reply:
             return Probe(REFUSED)     # closed without a word: going away
         return Probe(FOREIGN, f"it answered the project's hello with {reply[:24]!r}")
@@ -347,11 +349,18 @@ def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) 
                                   "not accept this party's certificate (another CA?), does not "
                                   "speak TLS, or stopped during the handshake")
     except ConnectionError:
-        return Probe(REFUSED)
+        return _closed_after_handshake() if stage == "first read" else Probe(REFUSED)
     except OSError:
         return Probe(SILENT)
     finally:
         sock.close()
+
+
+def _closed_after_handshake() -> Probe:
+    # TLS 1.3: the client's side of the handshake completes before the server has checked
+    # the client's certificate; a front that refuses it closes the connection.
+    return Probe(TLS_REFUSED, "it closed the connection at the end of the TLS handshake: it "
+                              "does not accept this party's certificate (another CA?)")
 
 
 def probe_peers(config: NodeConfig, party_id: str) -> dict[str, Probe]:
@@ -399,7 +408,10 @@ def front_offences(config: NodeConfig, events_path: pathlib.Path | None,
     events, _ = front_events(events_path)
     if authenticated_only and config.link.tls is None:
         return []
-    return [e for e in events if e.get("node") in config.party_ids]
+    # Dropped frames only: a refused server or client certificate is named by the probes'
+    # identity check (tls_fault_message), with both names.
+    return [e for e in events if e.get("node") in config.party_ids
+            and str(e.get("kind", "")).startswith("dropped")]
 
 
 def offence_message(config: NodeConfig, event: dict) -> str:
@@ -518,7 +530,7 @@ class Watchdog:
     """Probes every peer once a second from a daemon thread, from this party's start-up to the
     end of the run, and ends the party (exit 3, one `error:` line naming the peer):
 
-    - from `begin_link()` on (this party's own endpoint is up), a TLS fault of a peer: another
+    - from start-up on (this party's front serves its endpoint), a TLS fault of a peer: another
       node's certificate, an untrusted certificate, a refused handshake. The party then keeps
       its endpoint up for TLS_LINGER_S before leaving, so the faulty peer can observe the
       refusal too and name this party, instead of finding it gone;
@@ -594,7 +606,9 @@ class Watchdog:
                     down_since.pop(peer, None)
                     continue
                 if result.state in TLS_FAULTS:
-                    if linking:
+                    # This party's front serves its endpoint from start-up on, so a peer that
+                    # fails TLS is named at once (it can see this party's refusal too).
+                    if True:
                         self._fail(f"{tls_fault_message(self.config, peer, result)} {where}",
                                    linger_s=self.TLS_LINGER_S)
                     continue
