@@ -624,3 +624,62 @@ def test_party_table_pools_runs_and_prints_ratios_to_full(tmp_path):
     assert "| netns | 1024 | `mpcache` | 2.00x | 2.00x | 2.00x | 1.79x |" in text
     assert party_table.main(["party_table", str(tmp_path)]) == 0
     assert (tmp_path / "party_table.csv").read_text().count("\n") == 3
+
+
+# ----- the front door (issue 32) -------------------------------------------------------------
+
+FRONT_CASES = {case.name: case for case in fc._front_cases()}
+
+
+@pytest.mark.parametrize("name", sorted(FRONT_CASES))
+def test_the_front_drops_a_hostile_frame_and_names_the_peer(tmp_path, name):
+    """Each forged frame of experiments/fault_cases.py against a real front process: the
+    connection is closed with a line naming the peer, nothing of it reaches brpc, the front
+    still answers the hello."""
+    observed = FRONT_CASES[name].run(fc.Context(tmp_path))
+    assert observed.passed, (observed.error, observed.note)
+
+
+def test_front_parses_the_frames_spu_sends():
+    """A Push as SPU 0.9.5 frames it (a chunk of a 3 MB message, read off the wire) parses to
+    its rank, key, chunk length and offset; a header alone waits for the body."""
+    from mpcache_jax.distributed import front
+    frame = fc.forge_frame(2, b"l.run:P2P-7:2->0", b"z" * 100, message_length=3000, chunk_offset=200)
+    push = front.parse_frame(bytearray(frame + b"PRPC"), 1 << 20)
+    assert (push.sender_rank, push.key, push.chunk_bytes, push.message_length,
+            push.chunk_offset, push.frame_bytes) == (2, b"l.run:P2P-7:2->0", 100, 3000, 200,
+                                                     len(frame))
+    assert front.parse_frame(bytearray(frame[:20]), 1 << 20) is None
+    ledger = front.PeerLedger()
+    rules = dict(bound_rank=2, my_rank=0, link_id=b"l.run", max_message_bytes=4000,
+                 max_buffered_bytes=5000, ledger=ledger)
+    front.check_push(push, **rules)
+    assert ledger.buffered == 3000
+    with pytest.raises(front.FrameError, match="unfinished messages of 6,000 bytes"):
+        front.check_push(front.parse_frame(bytearray(fc.forge_frame(
+            2, b"l.run:P2P-8:2->0", b"z", message_length=3000)), 1 << 20), **rules)
+    with pytest.raises(front.FrameError, match="restating its message's length"):
+        front.check_push(front.parse_frame(bytearray(fc.forge_frame(
+            2, b"l.run:P2P-7:2->0", b"z", message_length=2999)), 1 << 20), **rules)
+    with pytest.raises(front.FrameError, match=r"\(2->1\) on a connection from rank 2 to this "
+                                               r"party \(rank 0\)"):
+        front.check_push(front.parse_frame(bytearray(fc.forge_frame(
+            2, b"l.run:P2P-9:2->1")), 1 << 20), **rules)
+    with pytest.raises(front.FrameError, match="another service"):
+        front.parse_frame(bytearray(fc.forge_frame(2, b"k", service=b"evil.Service")), 1 << 20)
+    with pytest.raises(front.FrameError, match="not a brpc frame"):
+        front.parse_frame(bytearray(b"\x80\x04\x95pickle..."), 1 << 20)
+
+
+def test_message_cap_follows_its_formula():
+    """cap = 1 MiB + b * 4 * max(largest weight, T*V, H*T*(T+N), T*F, V); the announced prompt
+    length replaces job.seq_len."""
+    from mpcache_jax.distributed.party import message_cap_bytes
+    config = parse_node_config(node_config(3, "ABY3"))
+    cfg = job_lib.build(config.job)[0].cfg
+    largest = max(int(np.prod(leaf.shape)) for leaf in
+                  __import__("jax").tree_util.tree_leaves(job_lib.weight_shapes(config.job)))
+    for T in (32, 500):
+        values = max(largest, T * cfg.vocab_size, cfg.num_heads * T * (T + 2),
+                     T * cfg.intermediate_size, cfg.vocab_size)
+        assert message_cap_bytes(config, prompt_len=T) == (1 << 20) + 16 * 4 * values
