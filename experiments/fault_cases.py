@@ -808,7 +808,26 @@ def _config_cases() -> list:
         entry = text[start:text.index('"', start + len('"node:1": "')) + 1]
         return text.replace(entry, f'{entry}, {entry.replace("node:1", "node:1", 1)}', 1)
 
+    held: list = []
+
+    def hold_port_of(party):
+        def mutate(raw, folder):
+            import socket
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", int(raw["nodes"][party].rpartition(":")[2])))
+            sock.listen()
+            held.append(sock)        # held until the process ends
+        return mutate
+
     return [
+        ConfigCase("config: own port busy", "another process listens on node:0's port (gave "
+                   "'brpc server failed start', exit 3)", hold_port_of("node:0"),
+                   ("address in use: node:0's link port 127.0.0.1:",), party="node:0",
+                   expected="exit 2 at once: address in use, naming the port"),
+        ConfigCase("config: own port busy (launcher)", "another process listens on node:2's port; "
+                   "--party=all", hold_port_of("node:2"),
+                   ("address in use: node:2's link port 127.0.0.1:",),
+                   expected="exit 2 before any party starts: address in use"),
         ConfigCase("config: IPv6 literal", "node:2 at [::1]:P (the probe passed the brackets to "
                    "socket.create_connection: a healthy peer was reported hung)",
                    node2_at(lambda raw: "[::1]:" + raw["nodes"]["node:2"].rpartition(":")[2]),
@@ -934,7 +953,67 @@ def _party_cases() -> list:
         text = log_text(folder / "out", "node:0")
         return "" if "warning: link.insecure=true" in text else "no warning printed"
 
+    http_servers: list = []
+
+    def web_server_on_node2(ctx, folder):
+        import http.server
+        import threading
+        ports = ctx.ports(3)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", ports[2]),
+                                                 http.server.SimpleHTTPRequestHandler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        http_servers.append(server)
+        raw = node_config(3, "ABY3", ports, connect_timeout_s=8)
+        path = _write_config(folder, raw)
+        return {"node:0": (path, None), "node:1": (path, None)}
+
+    def stop_web_server(folder):
+        while http_servers:
+            http_servers.pop().shutdown()
+        return ""
+
+    def forged_frames_mid_run(procs):
+        import socket
+        config = json.loads(pathlib.Path(mid_run_config[0]).read_text())
+        port = int(config["nodes"]["node:1"].rpartition(":")[2])
+        link_id = config["id"] + ".run"
+        for frame in (forge_frame(0, f"{link_id}:P2P-1:0->1".encode(), message_length=1 << 40),
+                      forge_frame(0, f"{link_id}:P2P-1:0->1".encode(), message_length=8,
+                                  chunk_offset=1 << 62)):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(frame)
+                try:
+                    sock.recv(10)
+                except OSError:
+                    pass
+
+    mid_run_config: list = []
+
+    def plain_recording(ctx, folder):
+        plan = plain(job={"max_new_tokens": 4})(ctx, folder)
+        mid_run_config[:] = [str(next(iter(plan.values()))[0])]
+        return plan
+
+    def front_dropped(folder):
+        text = log_text(folder / "out", "node:1")
+        n = text.count("front: dropped a frame")
+        return "" if n >= 2 else f"node:1's front logged {n} dropped frames"
+
     return [
+        PartiesCase("blame: a web server on node:2's port", "an HTTP server listens on node:2's "
+                    "port; node:0 and node:1 started, connect_timeout_s=8 (waited 95 s with "
+                    "connect_timeout_s=8 and blamed a healthy party before)",
+                    "node:0 and node:1 exit 3 within connect_timeout_s: port P on host H "
+                    "answers but is not node:2", web_server_on_node2, ("node:0", "node:1"),
+                    ("answers but is not node:2", "party node:2 never came up"),
+                    check=stop_web_server),
+        PartiesCase("front: forged frames mid-run", "once linked, a local process sends node:1 "
+                    "(the prompt owner) a chunk declaring 2^40 bytes and one at offset 2^62 "
+                    "(each aborted the worker before)",
+                    "the front drops them, naming the connection; the run completes (every "
+                    "party exits 0)", plain_recording, ("node:0", "node:1", "node:2"), (),
+                    fault=forged_frames_mid_run, fault_after="] link up", judge_exit=0,
+                    check=front_dropped),
         PartiesCase("tls: one cert for all (patched)", "one CA-signed certificate (CN=imposter, "
                     "SAN IP:10.9.9.9) for all three nodes; every party's own check skipped",
                     "every party exits 3; those that saw a peer name it, the expected node and "

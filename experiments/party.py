@@ -81,6 +81,8 @@ def main(argv):
             raise NodeConfigError("--job overrides are for --party=all only: every party must "
                                   "read the same job, so edit the node config instead")
         if not FLAGS.worker:
+            from mpcache_jax.distributed.party import check_own_port
+            check_own_port(config, who)
             own = [f"--prompt_file={FLAGS.prompt_file}"] if FLAGS.prompt_file else []
             sys.exit(supervise(config, who, FLAGS.output_dir,
                                [sys.executable, "-m", "experiments.party", "--worker",

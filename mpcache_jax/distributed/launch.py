@@ -243,6 +243,9 @@ def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike |
     """
     out = pathlib.Path(output_dir or tempfile.mkdtemp(prefix="mpcache_nodes_"))
     config, path = prepare_config(node_config, out, use_free_ports, **job_overrides)
+    from mpcache_jax.distributed.party import check_own_port
+    for pid in config.party_ids:
+        check_own_port(config, pid)       # AddressInUse before any party starts
     results = out / "results.jsonl"
     before = results.read_text().splitlines() if results.exists() else []
     procs: dict[str, subprocess.Popen] = {}

@@ -130,6 +130,26 @@ class FrontHandle:
             pass
 
 
+def check_own_port(config: NodeConfig, party_id: str) -> None:
+    """Raise AddressInUse (exit 2, at once) if `party_id`'s public port cannot be bound now
+    (another process holds it). The front binds it for real moments later."""
+    import errno
+    import socket
+    host, _, port = config.address(party_id).rpartition(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, int(port)))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise AddressInUse(f"address in use: {party_id}'s link port {host}:{port} is "
+                                   "taken by another process; stop it or give "
+                                   f"nodes[{party_id!r}] another port") from None
+            raise AddressInUse(f"{party_id} cannot listen on {host}:{port} ({err.strerror}): "
+                               f"is {host} an address of this machine? fix "
+                               f"nodes[{party_id!r}]") from None
+
+
 def hello_key(config: NodeConfig) -> bytes:
     """The key of the fronts' hello: SHA-256 of the node config's public identity (id, nodes
     in rank order, runtime config). Every party of the same config has it; a process that is
