@@ -40,7 +40,8 @@ Runs as its own process (`python front.py SPEC_JSON`, stdlib only: nothing here 
 rest of the project), started by the party's worker (`party.start_front`); on start-up it
 prints one JSON line {"ready": true, "backend_port": P, "outbound": {node: port}} or
 {"error": "...", "kind": "address in use" | ...} and exits 2. Reads "cap N" lines on stdin
-(a new `max_message_bytes` once the prompt length is public). Never deserializes anything a
+(a new `max_message_bytes` once the prompt length is public) and "stats" lines (answers one
+JSON line: frames and bytes relayed to brpc, this process's CPU seconds). Never deserializes anything a
 peer sent into objects: it reads integers and byte strings with bounds checks.
 """
 from __future__ import annotations
@@ -66,6 +67,10 @@ HELLO_NONCE_BYTES = 16
 HEADER = struct.Struct(">4sII")
 PUSH_SERVICE = b"org.interconnection.link.ReceiverService"
 PUSH_METHOD = b"Push"
+# RpcMeta field 1 (request) = {1: service, 2: method} exactly as brpc encodes a Push.
+PUSH_META_PREFIX = (b"\x0a" + bytes([len(PUSH_SERVICE) + len(PUSH_METHOD) + 4]) + b"\x0a"
+                    + bytes([len(PUSH_SERVICE)]) + PUSH_SERVICE + b"\x12"
+                    + bytes([len(PUSH_METHOD)]) + PUSH_METHOD)
 # The most a meta (RpcMeta) or a key may take; brpc's are ~60 bytes, yacl's keys ~30.
 MAX_META_BYTES = 4096
 MAX_KEY_BYTES = 512
@@ -157,15 +162,21 @@ def parse_frame(buf, max_frame_bytes: int) -> Push | None:
     if len(buf) < HEADER.size + body:
         return None
     start, meta_end, end = HEADER.size, HEADER.size + meta, HEADER.size + body
-    rpc = read_fields(buf, start, meta_end)
-    request = _one(rpc, 1)
-    if request is None or not isinstance(request, tuple):
-        raise FrameError("a brpc frame that is not a request")
-    req = read_fields(buf, request[0], request[0] + request[1])
-    service, method = _one(req, 1), _one(req, 2)
-    if (not isinstance(service, tuple) or bytes(buf[service[0]:sum(service)]) != PUSH_SERVICE
-            or not isinstance(method, tuple) or bytes(buf[method[0]:sum(method)]) != PUSH_METHOD):
-        raise FrameError("a brpc request for another service than ReceiverService.Push")
+    if buf[start:start + len(PUSH_META_PREFIX)] == PUSH_META_PREFIX:
+        # The request part as brpc writes it for yacl's Push (every frame of a run).
+        rpc = read_fields(buf, start + len(PUSH_META_PREFIX), meta_end)
+    else:
+        rpc = read_fields(buf, start, meta_end)
+        request = _one(rpc, 1)
+        if request is None or not isinstance(request, tuple):
+            raise FrameError("a brpc frame that is not a request")
+        req = read_fields(buf, request[0], request[0] + request[1])
+        service, method = _one(req, 1), _one(req, 2)
+        if (not isinstance(service, tuple)
+                or bytes(buf[service[0]:sum(service)]) != PUSH_SERVICE
+                or not isinstance(method, tuple)
+                or bytes(buf[method[0]:sum(method)]) != PUSH_METHOD):
+            raise FrameError("a brpc request for another service than ReceiverService.Push")
     if _one(rpc, 3, 0) != 0 or _one(rpc, 5, 0) != 0:
         raise FrameError("a compressed brpc frame or one with an attachment")
     push = read_fields(buf, meta_end, end)
@@ -668,6 +679,8 @@ async def serve(spec: FrontSpec, announce=print) -> None:
             parts = line.decode(errors="replace").split()
             if len(parts) == 2 and parts[0] == "cap" and parts[1].isascii() and parts[1].isdigit():
                 front.max_message_bytes = int(parts[1])
+            elif parts == ["stats"]:
+                announce(json.dumps({**front.stats, "cpu_s": round(time.process_time(), 4)}))
     await control()
     await asyncio.Event().wait()
 

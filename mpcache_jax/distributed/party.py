@@ -121,6 +121,16 @@ class FrontHandle:
     outbound: dict[str, int]
     events_path: pathlib.Path
 
+    def stats(self) -> dict:
+        """{"frames", "bytes" (relayed to brpc so far), "cpu_s" (the front's CPU)}; {} if the
+        front does not answer."""
+        try:
+            self.proc.stdin.write(b"stats\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+        except (BrokenPipeError, OSError, ValueError):
+            return {}
+
     def set_cap(self, max_message_bytes: int) -> None:
         """A new cap on a message's declared length (once the prompt length is public)."""
         try:
@@ -732,8 +742,19 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
         front.set_cap(message_cap_bytes(config, prompt_len=T))
         log(party_id, f"weights shared in {t_weights - t_start:.1f} s; prompt of {T} tokens")
 
+        last = [front.stats()]
+
         def on_step(step, token):
             stage(f"{step.phase} at position {step.position}")
+            now = front.stats()
+            if now and last[0]:
+                # What this party's front relayed during the step (one JSON line per step).
+                log(party_id, "front step " + json.dumps({
+                    "phase": step.phase, "position": step.position,
+                    "frames": now["frames"] - last[0]["frames"],
+                    "bytes": now["bytes"] - last[0]["bytes"],
+                    "cpu_s": round(now["cpu_s"] - last[0]["cpu_s"], 4)}))
+            last[0] = now
             if is_client:
                 log(party_id, f"token {token} ({step.phase}, {step.wall_s:.2f} s)")
         stage("compilation")
