@@ -704,7 +704,12 @@ def main(argv: list[str]) -> int:
     _die_with_parent()
     spec = FrontSpec.from_json(argv[1])
     try:
-        asyncio.run(serve(spec, announce=lambda line: print(line, flush=True)))
+        import uvloop      # optional: about 2x less CPU per relayed frame than asyncio's loop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        run(serve(spec, announce=lambda line: print(line, flush=True)))
     except KeyboardInterrupt:
         return 0
     return 0
