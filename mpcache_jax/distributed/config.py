@@ -41,9 +41,10 @@ own; every party's for the loopback launcher), and on the network, where each pa
 own TLS connection (CA + its own certificate) to every peer's link endpoint before the first
 share is sent (`party.verify_peers`), and again on every liveness probe (`party.probe`,
 `identity_mismatch`): a peer whose certificate names another node ends the run with both
-names. Limit: brpc's server side accepts any CA-signed client certificate, so a holder of one
-could still open a client connection to a party's endpoint claiming another rank; closing
-that needs per-connection identity in yacl's link (not in SPU 0.9.5).
+names. brpc's own server side would accept any CA-signed client certificate; it is
+therefore never exposed: every party's endpoint is its front (front.py), which terminates
+mutual TLS, requires a client certificate that names a peer node by this rule, binds the
+connection to that node and refuses frames claiming another rank.
 
 Plain TCP (no "tls") is allowed between loopback addresses only; a config with a non-loopback
 host and no TLS is rejected unless `"insecure": true` is in the link section (then every
