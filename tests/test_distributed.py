@@ -476,8 +476,11 @@ def tls_section(parties: list[str], ca: str = "certs/ca.crt") -> dict:
 
 
 def test_tls_between_parties(tmp_path):
+    """The documented recipe (scripts/make_certs.sh, run as WORKSPACE.md says) gives a mutual
+    TLS run through the parties' fronts that completes with the plaintext tokens."""
     parties = ["node:0", "node:1"]
-    fc.make_certs(tmp_path / "certs", parties)
+    subprocess.run(["bash", str(REPO / "scripts" / "make_certs.sh"), str(tmp_path / "certs"),
+                    "127.0.0.1", "127.0.0.1"], check=True, capture_output=True)
     raw = node_config(2, "SEMI2K", tls=tls_section(parties))
     record = run_loopback(write(tmp_path, raw), tmp_path / "out", use_free_ports=True)[-1]
     xla_tokens, _ = reference(TINY_JOB)
