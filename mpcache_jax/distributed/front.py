@@ -143,15 +143,17 @@ class Push:
     chunk_offset: int | None
 
 
-def parse_frame(buf, max_frame_bytes: int) -> Push | None:
-    """The first brpc frame of `buf` -> Push, or None if more bytes are needed. Raises
+def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
+    """The brpc frame starting at buf[at] -> Push, or None if more bytes are needed. Raises
     FrameError for anything that is not a plain ReceiverService.Push request within bounds;
     the header is checked before the body has arrived."""
-    if len(buf) < HEADER.size:
-        if bytes(buf[:4]) != BRPC_MAGIC[:len(buf)]:
-            raise FrameError(f"bytes that are not a brpc frame (starts {bytes(buf[:4])!r})")
+    have = len(buf) - at
+    if have < HEADER.size:
+        if bytes(buf[at:at + 4]) != BRPC_MAGIC[:min(have, 4)]:
+            raise FrameError(f"bytes that are not a brpc frame (starts "
+                             f"{bytes(buf[at:at + 4])!r})")
         return None
-    magic, body, meta = HEADER.unpack_from(buf, 0)
+    magic, body, meta = HEADER.unpack_from(buf, at)
     if magic != BRPC_MAGIC:
         raise FrameError(f"bytes that are not a brpc frame (starts {magic!r})")
     if body > max_frame_bytes:
@@ -159,9 +161,9 @@ def parse_frame(buf, max_frame_bytes: int) -> Push | None:
     if meta > min(body, MAX_META_BYTES):
         raise FrameError(f"a frame whose meta of {meta:,} bytes does not fit (body {body:,}, "
                          f"at most {MAX_META_BYTES})")
-    if len(buf) < HEADER.size + body:
+    if have < HEADER.size + body:
         return None
-    start, meta_end, end = HEADER.size, HEADER.size + meta, HEADER.size + body
+    start, meta_end, end = at + HEADER.size, at + HEADER.size + meta, at + HEADER.size + body
     if buf[start:start + len(PUSH_META_PREFIX)] == PUSH_META_PREFIX:
         # The request part as brpc writes it for yacl's Push (every frame of a run).
         rpc = read_fields(buf, start + len(PUSH_META_PREFIX), meta_end)
@@ -462,6 +464,9 @@ class _Inbound(asyncio.Protocol):
     def data_received(self, data):
         if self.closed:
             return
+        if self.mode == "brpc":
+            self._frames(data)
+            return
         self.buf += data
         if self.mode is None:
             if len(self.buf) < 4:
@@ -476,6 +481,9 @@ class _Inbound(asyncio.Protocol):
             elif head == BRPC_MAGIC:
                 self.mode = "brpc"
                 asyncio.ensure_future(self._open_backend())
+                data, self.buf = bytes(self.buf), bytearray()
+                self._frames(data)
+                return
             else:
                 self._refuse("refused a connection", f"its first bytes are neither brpc nor "
                              f"the hello ({head!r})")
@@ -493,13 +501,21 @@ class _Inbound(asyncio.Protocol):
             return
         self._frames()
 
-    def _frames(self) -> None:
+    def _frames(self, data: bytes) -> None:
+        """Check the whole frames in (what is left of earlier data +) `data`; forward them
+        in one write; keep an incomplete frame's bytes for the next call."""
         spec, front = self.front.spec, self.front
-        while not self.closed:
+        if self.buf:
+            self.buf += data
+            view = self.buf
+        else:
+            view = data
+        at = 0
+        while True:
             try:
-                push = parse_frame(self.buf, spec.max_frame_bytes)
+                push = parse_frame(view, spec.max_frame_bytes, at)
                 if push is None:
-                    return
+                    break
                 if self.node is None:
                     # Plain TCP: the first frame binds the connection to a peer's rank.
                     node = front.node_of.get(push.sender_rank)
@@ -513,16 +529,28 @@ class _Inbound(asyncio.Protocol):
                            link_id=front.link_id, max_message_bytes=front.max_message_bytes,
                            max_buffered_bytes=spec.max_buffered_bytes, ledger=ledger)
             except FrameError as err:
+                self._forward(view, at)     # the whole frames before it were checked
                 self._refuse("dropped a frame and closed the connection", str(err))
                 return
-            frame = bytes(self.buf[:push.frame_bytes])
-            del self.buf[:push.frame_bytes]
+            at += push.frame_bytes
             front.stats["frames"] += 1
-            front.stats["bytes"] += len(frame)
-            if self.pipe is not None and self.pipe.transport is not None:
-                self.pipe.transport.write(frame)
-            else:
-                self.pending.append(frame)
+        front.stats["bytes"] += at
+        self._forward(view, at)
+        rest = len(view) - at
+        if view is self.buf:
+            del self.buf[:at]
+        elif rest:
+            self.buf = bytearray(memoryview(data)[at:])
+
+    def _forward(self, view, end: int) -> None:
+        """Send view[:end] (checked frames) to brpc, or keep it until brpc's side is open."""
+        if not end:
+            return
+        chunk = view if (end == len(view) and isinstance(view, bytes)) else bytes(view[:end])
+        if self.pipe is not None and self.pipe.transport is not None:
+            self.pipe.transport.write(chunk)
+        else:
+            self.pending.append(chunk)
 
     async def _open_backend(self):
         loop = asyncio.get_running_loop()
