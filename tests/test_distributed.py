@@ -675,14 +675,15 @@ def test_front_parses_the_frames_spu_sends():
 
 
 def test_message_cap_follows_its_formula():
-    """cap = 1 MiB + b * 4 * max(largest weight, T*V, H*T*(T+N), T*F, V); the announced prompt
-    length replaces job.seq_len."""
+    """cap = 1 MiB + b * max(largest weight, T*V, 4 * max(H*T*(T+N), T*F, V)); the announced
+    prompt length replaces job.seq_len."""
     from mpcache_jax.distributed.party import message_cap_bytes
     config = parse_node_config(node_config(3, "ABY3"))
     cfg = job_lib.build(config.job)[0].cfg
     largest = max(int(np.prod(leaf.shape)) for leaf in
                   __import__("jax").tree_util.tree_leaves(job_lib.weight_shapes(config.job)))
     for T in (32, 500):
-        values = max(largest, T * cfg.vocab_size, cfg.num_heads * T * (T + 2),
-                     T * cfg.intermediate_size, cfg.vocab_size)
-        assert message_cap_bytes(config, prompt_len=T) == (1 << 20) + 16 * 4 * values
+        values = max(largest, T * cfg.vocab_size, 4 * max(cfg.num_heads * T * (T + 2),
+                                                          T * cfg.intermediate_size,
+                                                          cfg.vocab_size))
+        assert message_cap_bytes(config, prompt_len=T) == (1 << 20) + 16 * values

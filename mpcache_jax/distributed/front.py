@@ -391,7 +391,8 @@ class Front:
         self.node_of = {r: n for n, r in self.rank_of.items()}
         self.ledgers: dict[str, PeerLedger] = {}
         self.max_message_bytes = spec.max_message_bytes
-        self.stats = {"frames": 0, "bytes": 0}
+        # Relayed so far: frames, bytes, the largest message (declared length) seen.
+        self.stats = {"frames": 0, "bytes": 0, "max_message": 0}
 
     def event(self, kind: str, peer_address: str, node: str | None, why: str) -> None:
         who = f"{node} ({peer_address})" if node else peer_address
@@ -534,6 +535,9 @@ class _Inbound(asyncio.Protocol):
                 return
             at += push.frame_bytes
             front.stats["frames"] += 1
+            size = push.message_length if push.message_length is not None else push.chunk_bytes
+            if size > front.stats["max_message"]:
+                front.stats["max_message"] = size
         front.stats["bytes"] += at
         self._forward(view, at)
         rest = len(view) - at

@@ -179,16 +179,16 @@ MESSAGE_SLACK_BYTES = 1 << 20
 def message_cap_bytes(config: NodeConfig, prompt_len: int | None = None) -> int:
     """The most bytes one message of this job may declare (front.py refuses larger ones).
 
-        cap = 1 MiB + b * 4 * max(largest weight, T*V, H*T*(T+N), T*F, V)
+        cap = 1 MiB + b * max(largest weight, T*V, 4 * max(H*T*(T+N), T*F, V))
 
     b = field bytes x shares per party (ABY3 FM64: 16), T = the prompt length (job.seq_len
-    until the prompt owner announces it), N = max_new_tokens; the largest weight (the
-    model owner's share of it is one typed message), the prompt's secret one-hot rows [T, V]
-    (one message from the prompt owner), the largest value of a program (prefill attention
-    scores of one layer over the heads [H, T, T+N], its MLP activations [T, F], the logits
-    [V]), x4 for kernels that send more than one ring element per value (bit-decomposed
-    comparisons, OT-based conversions); 1 MiB for the typed header. A bound from the job's
-    shapes, not the exact largest message of the compiled programs."""
+    until the prompt owner announces it), N = max_new_tokens. The largest weight (the model
+    owner's share of it is one typed message) and the prompt's secret one-hot rows [T, V]
+    (one message from the prompt owner) are sent whole; inside a program the largest value
+    (prefill attention scores of one layer over the heads [H, T, T+N], its MLP activations
+    [T, F], the logits [V]) x4 for kernels that send more than one ring element per value
+    (bit-decomposed comparisons, OT-based conversions); 1 MiB for the typed header. A bound
+    from the job's shapes, not the exact largest message of the compiled programs."""
     import jax
     from models import registry
     from models.model import Model
@@ -200,9 +200,10 @@ def message_cap_bytes(config: NodeConfig, prompt_len: int | None = None) -> int:
     T = job.seq_len if prompt_len is None else prompt_len
     N = job.max_new_tokens
     b = FIELD_BYTES.get(config.mpc.field, 8) * SHARES_PER_PARTY.get(config.mpc.protocol, 2)
-    values = max(largest_weight, T * cfg.vocab_size, cfg.num_heads * T * (T + N),
-                 T * cfg.intermediate_size, cfg.vocab_size)
-    return MESSAGE_SLACK_BYTES + b * 4 * values
+    values = max(largest_weight, T * cfg.vocab_size,
+                 4 * max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size,
+                         cfg.vocab_size))
+    return MESSAGE_SLACK_BYTES + b * values
 
 
 def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
@@ -753,7 +754,8 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
                     "phase": step.phase, "position": step.position,
                     "frames": now["frames"] - last[0]["frames"],
                     "bytes": now["bytes"] - last[0]["bytes"],
-                    "cpu_s": round(now["cpu_s"] - last[0]["cpu_s"], 4)}))
+                    "cpu_s": round(now["cpu_s"] - last[0]["cpu_s"], 4),
+                    "max_message_so_far": now.get("max_message")}))
             last[0] = now
             if is_client:
                 log(party_id, f"token {token} ({step.phase}, {step.wall_s:.2f} s)")
