@@ -521,7 +521,7 @@ class FrontCase:
 
 
 def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
-                     max_message_bytes: int = 1 << 20):
+                     max_message_bytes: int = 1 << 20, spec_overrides: dict | None = None):
     """A front for node:1 of a 3-party config (ranks 0-2) on 127.0.0.1:port, plain or TLS
     (certificates under folder/certs), with a recording stand-in backend -> (process, spec,
     backend socket, list of received byte strings)."""
@@ -543,6 +543,7 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
         hello_key=(b"k" * 32).hex(), max_frame_bytes=(1 << 20) + (64 << 10),
         max_message_bytes=max_message_bytes, max_buffered_bytes=2 * max_message_bytes,
         events_path=str(folder / "front_events.jsonl"), tls=tls_spec)
+    spec = dataclasses.replace(spec, **(spec_overrides or {}))
     pathlib.Path(spec.events_path).write_text("")
     proc = subprocess.Popen([sys.executable, front_mod.__file__, spec.to_json()],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -845,6 +846,10 @@ def _config_cases() -> list:
         ConfigCase("config: same port via localhost", "node:2 at localhost:P where node:0 is at "
                    "127.0.0.1:P", node2_at(same_port_as_node0),
                    ("nodes 'node:0' and 'node:2' both use port",)),
+        ConfigCase("config: negative shaping delay", 'link.shape = {"delay_ms": -1}',
+                   link(shape={"delay_ms": -1}), ("link.shape.delay_ms=-1 must be",)),
+        ConfigCase("config: negative shaping rate", 'link.shape = {"rate_mb_s": -40}',
+                   link(shape={"rate_mb_s": -40}), ("link.shape.rate_mb_s=-40 must be",)),
         ConfigCase("config: expired certificate", "node:0's CA-signed certificate expired "
                    "yesterday (caught only at run time)", expired_cert,
                    ("link.tls.certs['node:0'].cert=", "expired on")),

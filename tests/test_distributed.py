@@ -267,6 +267,12 @@ CASES = {
         "link.connect_retry_interval_ms=1099511627776 is beyond the bound"),
     "job timeout beyond a week": (lambda r: r["job"].update(timeout_s=1e9),
                                   "job.timeout_s=1e+09 is beyond 604800 s"),
+    "negative shaping delay": (lambda r: _spu(r)["link"].update(shape={"delay_ms": -1}),
+                               "link.shape.delay_ms=-1 must be a number of milliseconds"),
+    "negative shaping rate": (lambda r: _spu(r)["link"].update(shape={"rate_mb_s": -40}),
+                              "link.shape.rate_mb_s=-40 must be a rate in MB/s above 0"),
+    "unknown shaping profile": (lambda r: _spu(r)["link"].update(shape="lte"),
+                                "link.shape='lte' is unknown; use \"lan\""),
 }
 
 
@@ -687,3 +693,36 @@ def test_message_cap_follows_its_formula():
                                                           T * cfg.intermediate_size,
                                                           cfg.vocab_size))
         assert message_cap_bytes(config, prompt_len=T) == (1 << 20) + 16 * values
+
+
+def test_link_shape_profiles_reach_the_front(tmp_path):
+    """link.shape "lan" / "wan" / explicit -> the front's one-way delay (s) and rate (B/s)."""
+    from mpcache_jax.distributed.party import front_spec
+    for shape, delay_s, rate in (("lan", 0.0003, 377e6), ("wan", 0.08, 40e6),
+                                 ({"delay_ms": 5}, 0.005, None), (None, 0.0, None)):
+        config = parse_node_config(node_config(3, "ABY3", shape=shape))
+        spec = front_spec(config, "node:1", tmp_path / "events.jsonl")
+        assert spec.delay_s == pytest.approx(delay_s)
+        assert spec.rate_bytes_s == (None if rate is None else pytest.approx(rate))
+
+
+def test_a_shaping_front_relays_every_frame_intact(tmp_path):
+    """With a delay and a rate, the checked frames still reach brpc whole and in order."""
+    import socket
+    from mpcache_jax.distributed import front
+    proc, spec, backend, received = fc.start_test_front(
+        tmp_path, free_ports(1)[0], spec_overrides={"delay_s": 0.02, "rate_bytes_s": 2e6})
+    try:
+        frames = [fc.forge_frame(0, f"test.3pc.run:P2P-{i}:0->1".encode(), bytes([i]) * 3000)
+                  for i in range(20)]
+        with socket.create_connection(("127.0.0.1", spec.listen_port)) as sock:
+            for frame in frames:
+                sock.sendall(frame)
+            deadline = time.monotonic() + 20
+            while sum(map(len, received)) < sum(map(len, frames)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert b"".join(received) == b"".join(frames)
+    finally:
+        proc.kill()
+        proc.wait()
+        backend.close()

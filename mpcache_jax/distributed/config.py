@@ -107,6 +107,48 @@ def _check_types(obj, types: dict[str, tuple[str, Any]], where: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShapeSpec:
+    """Traffic shaping by the parties' fronts: every frame a party receives is held for
+    `delay_ms` (one-way delay) after it has passed a per-connection rate of `rate_mb_s`
+    (10^6 bytes per second; None = no rate limit)."""
+
+    delay_ms: float = 0.0
+    rate_mb_s: float | None = None
+
+
+# link.shape profiles: the paper's LAN (3016 mbit = 377 MB/s, 0.3 ms) and WAN (40 MB/s, 80 ms).
+SHAPE_PROFILES = {"lan": ShapeSpec(0.3, 377.0), "wan": ShapeSpec(80.0, 40.0)}
+MAX_SHAPE_DELAY_MS = 60_000.0
+
+
+def parse_shape(shape: Any) -> ShapeSpec | None:
+    """link.shape: null, "lan", "wan" or {"delay_ms": MS, "rate_mb_s": MB_PER_S | null}."""
+    if shape is None or isinstance(shape, ShapeSpec):
+        return shape
+    if isinstance(shape, str):
+        if shape not in SHAPE_PROFILES:
+            raise NodeConfigError(f"link.shape={shape!r} is unknown; use \"lan\" (377 MB/s, "
+                                  "0.3 ms), \"wan\" (40 MB/s, 80 ms) or {\"delay_ms\": MS, "
+                                  "\"rate_mb_s\": MB_PER_S}")
+        return SHAPE_PROFILES[shape]
+    if not isinstance(shape, dict):
+        raise NodeConfigError(f"link.shape={shape!r} must be \"lan\", \"wan\" or "
+                              "{\"delay_ms\": MS, \"rate_mb_s\": MB_PER_S}")
+    unknown = sorted(set(shape) - {"delay_ms", "rate_mb_s"})
+    if unknown:
+        raise NodeConfigError(f"link.shape has unknown key(s) {unknown}; keys: delay_ms, "
+                              "rate_mb_s")
+    delay, rate = shape.get("delay_ms", 0.0), shape.get("rate_mb_s")
+    if not _is_number(delay) or not 0 <= delay <= MAX_SHAPE_DELAY_MS:
+        raise NodeConfigError(f"link.shape.delay_ms={delay!r} must be a number of milliseconds "
+                              f"from 0 to {MAX_SHAPE_DELAY_MS:g} (one-way delay)")
+    if rate is not None and (not _is_number(rate) or not 0 < rate <= 1e6):
+        raise NodeConfigError(f"link.shape.rate_mb_s={rate!r} must be a rate in MB/s above 0 "
+                              "(at most 1e6), or null for no rate limit")
+    return ShapeSpec(float(delay), None if rate is None else float(rate))
+
+
+@dataclasses.dataclass(frozen=True)
 class LinkOptions:
     """brpc link settings and failure detection.
 
@@ -119,7 +161,8 @@ class LinkOptions:
     alive; it must exceed the longest local step of any party (compilation, ~20 s for a
     30-layer model). `connect_retry_times` x `connect_retry_interval_ms`: brpc's own connect
     retries (raised, when shorter, to outlast connect_timeout_s, which decides).
-    `insecure`: allow plain TCP to non-loopback hosts (prints a warning)."""
+    `insecure`: allow plain TCP to non-loopback hosts (prints a warning). `shape`: traffic
+    shaping by the fronts (`parse_shape`: "lan", "wan" or {"delay_ms", "rate_mb_s"})."""
 
     peer_timeout_s: float = 30.0
     recv_timeout_s: float = 600.0
@@ -128,9 +171,11 @@ class LinkOptions:
     connect_retry_interval_ms: int = 1000
     http_timeout_ms: int = 20000
     insecure: bool = False
+    shape: Any = None
     tls: TLSConfig | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "shape", parse_shape(self.shape))
         seconds = ("a number of seconds", _is_number)
         integer = ("an integer", _is_int)
         _check_types(self, {"peer_timeout_s": seconds, "recv_timeout_s": seconds,

@@ -337,6 +337,10 @@ class FrontSpec:
     max_buffered_bytes: int
     events_path: str
     tls: dict[str, Any] | None = None
+    # Traffic shaping of the frames this party receives (config.ShapeSpec): each waits for
+    # its connection's rate (bytes per second, None = none), then `delay_s`.
+    delay_s: float = 0.0
+    rate_bytes_s: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -439,6 +443,8 @@ class _Inbound(asyncio.Protocol):
         self.pipe: _Pipe | None = None
         self.pending: list[bytes] = []
         self.closed = False
+        self.free_at = 0.0          # shaping: when this connection's rate is free again
+        self.queued = 0             # shaping: bytes waiting for their release time
 
     def connection_made(self, transport):
         self.transport = transport
@@ -547,10 +553,32 @@ class _Inbound(asyncio.Protocol):
             self.buf = bytearray(memoryview(data)[at:])
 
     def _forward(self, view, end: int) -> None:
-        """Send view[:end] (checked frames) to brpc, or keep it until brpc's side is open."""
+        """Send view[:end] (checked frames) to brpc, or keep it until brpc's side is open;
+        with shaping, once the connection's rate has passed it and the delay is over."""
         if not end:
             return
         chunk = view if (end == len(view) and isinstance(view, bytes)) else bytes(view[:end])
+        spec = self.front.spec
+        if spec.delay_s <= 0 and not spec.rate_bytes_s:
+            self._deliver(chunk)
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        start = max(now, self.free_at)
+        self.free_at = start + (len(chunk) / spec.rate_bytes_s if spec.rate_bytes_s else 0.0)
+        self.queued += len(chunk)
+        if self.queued > HIGH_WATER_BYTES:
+            self.transport.pause_reading()      # bounded: the shaper holds at most this much
+        loop.call_at(self.free_at + spec.delay_s, self._release, chunk)
+
+    def _release(self, chunk: bytes) -> None:
+        self.queued -= len(chunk)
+        if not self.closed:
+            self._deliver(chunk)
+            if self.queued <= HIGH_WATER_BYTES // 2:
+                self.transport.resume_reading()
+
+    def _deliver(self, chunk: bytes) -> None:
         if self.pipe is not None and self.pipe.transport is not None:
             self.pipe.transport.write(chunk)
         else:

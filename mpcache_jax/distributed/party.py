@@ -212,6 +212,7 @@ def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
     host, _, port = config.address(party_id).rpartition(":")
     tls = config.link.tls
     cap = message_cap_bytes(config)
+    shape = config.link.shape
     import spu.libspu.link as _link
     frame = int(_link.Desc().http_max_payload_size) + FRAME_SLACK_BYTES
     return FrontSpec(
@@ -223,7 +224,9 @@ def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
         max_buffered_bytes=2 * cap, events_path=str(events_path),
         tls=None if tls is None else {"ca": tls.ca, "cert": tls.certs[party_id].cert,
                                       "key": tls.certs[party_id].key,
-                                      "verify_depth": tls.verify_depth})
+                                      "verify_depth": tls.verify_depth},
+        delay_s=shape.delay_ms / 1000 if shape else 0.0,
+        rate_bytes_s=shape.rate_mb_s * 1e6 if shape and shape.rate_mb_s else None)
 
 
 def front_events_path(output_dir, party_id: str) -> pathlib.Path:
