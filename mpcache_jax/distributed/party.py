@@ -642,9 +642,8 @@ class Watchdog:
                 if result.state in TLS_FAULTS:
                     # This party's front serves its endpoint from start-up on, so a peer that
                     # fails TLS is named at once (it can see this party's refusal too).
-                    if True:
-                        self._fail(f"{tls_fault_message(self.config, peer, result)} {where}",
-                                   linger_s=self.TLS_LINGER_S)
+                    self._fail(f"{tls_fault_message(self.config, peer, result)} {where}",
+                               linger_s=self.TLS_LINGER_S)
                     continue
                 if peer not in self.seen_up:
                     waited = None if not linking else now - self.link_started
