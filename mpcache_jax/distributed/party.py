@@ -621,6 +621,13 @@ class Watchdog:
             now = time.monotonic()
             states = probe_peers(self.config, self.party_id)
             linking = self.link_started is not None
+            # A peer failing the identity rule is the cause even when this party's front has
+            # already dropped frames from a connection using its (or another's) certificate.
+            for peer, result in states.items():
+                if result.state in TLS_FAULTS:
+                    self._fail(f"{tls_fault_message(self.config, peer, result)} "
+                               f"[probe: {_summary(states)}; during {self.stage}]",
+                               linger_s=self.TLS_LINGER_S)
             offences = front_offences(self.config, self.events_path, authenticated_only=True)
             if offences:
                 self._fail(f"{offence_message(self.config, offences[0])} "
