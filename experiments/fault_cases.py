@@ -109,17 +109,18 @@ def make_ca(directory: pathlib.Path, name: str = "ca") -> None:
     """A throwaway self-signed CA: directory/name.crt, name.key."""
     directory.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
-             "-out", f"{name}.crt", "-days", "1", "-subj", f"/CN={name}", cwd=directory)
+             "-out", f"{name}.crt", "-days", "30", "-subj", f"/CN={name}", cwd=directory)
 
 
 def issue_cert(directory: pathlib.Path, file_tag: str, cn: str, ca: str = "ca",
-               san: str = "IP:127.0.0.1,DNS:localhost") -> None:
-    """directory/file_tag.crt + .key: CN=cn, subjectAltName=san, signed by directory/ca."""
+               san: str = "IP:127.0.0.1,DNS:localhost", days: int = 30) -> None:
+    """directory/file_tag.crt + .key: CN=cn, subjectAltName=san, signed by directory/ca, valid
+    for `days` from now (-1: expired yesterday)."""
     (directory / f"{file_tag}.ext").write_text(f"subjectAltName={san}\n")
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{file_tag}.key", "-out",
              f"{file_tag}.csr", "-subj", f"/CN={cn}", cwd=directory)
     _openssl("x509", "-req", "-in", f"{file_tag}.csr", "-CA", f"{ca}.crt", "-CAkey",
-             f"{ca}.key", "-CAcreateserial", "-out", f"{file_tag}.crt", "-days", "1",
+             f"{ca}.key", "-CAcreateserial", "-out", f"{file_tag}.crt", "-days", str(days),
              "-extfile", f"{file_tag}.ext", cwd=directory)
 
 
@@ -280,13 +281,15 @@ class ConfigCase:
     party: str = "all"
     extra_args: tuple[str, ...] = ()
     expected: str = "exit 2 before any party starts, saying what to change"
+    rewrite: Callable[[str], str] | None = None   # edits the JSON text (e.g. a repeated key)
 
     def run(self, ctx: Context) -> Observed:
         folder = ctx.case_dir(self.name)
         raw = node_config(3, "ABY3", ctx.ports(3))
         self.mutate(raw, folder)
         path = folder / "nodes.json"
-        path.write_text(json.dumps(raw))
+        text = json.dumps(raw)
+        path.write_text(self.rewrite(text) if self.rewrite else text)
         out = folder / "out"
         start = time.perf_counter()
         result = subprocess.run([sys.executable, "-m", "experiments.party",
@@ -420,6 +423,263 @@ class LauncherSignalCase:
                         "signal to no party process")
 
 
+# ----- forged brpc frames (what a hostile peer or any local process can send) -------------------
+
+def _pb_varint(n: int) -> bytes:
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out += bytes([b | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def _pb_field(number: int, value) -> bytes:
+    if isinstance(value, int):
+        return _pb_varint(number << 3) + _pb_varint(value)
+    return _pb_varint(number << 3 | 2) + _pb_varint(len(value)) + value
+
+
+def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
+                message_length: int | None = None, chunk_offset: int = 0,
+                service: bytes = b"org.interconnection.link.ReceiverService",
+                body_size: int | None = None) -> bytes:
+    """A brpc baidu_std frame carrying a yacl Push as SPU 0.9.5's link sends it (fields read
+    off the wire: see mpcache_jax/distributed/front.py), with any field set to a lie:
+    `message_length` makes it a chunk of a message of that length at `chunk_offset`;
+    `body_size` overrides the header's body size (the rest is not sent)."""
+    request = _pb_field(1, service) + _pb_field(2, b"Push")
+    meta = _pb_field(1, request) + _pb_field(3, 0) + _pb_field(4, 12345)
+    push = _pb_field(1, sender_rank) + _pb_field(2, key + b"\x01\x020") + _pb_field(3, value)
+    if message_length is not None:
+        push += _pb_field(4, 1) + _pb_field(5, _pb_field(1, message_length)
+                                            + _pb_field(2, chunk_offset))
+    body = meta + push
+    import struct
+    header = struct.pack(">4sII", b"PRPC", len(body) if body_size is None else body_size,
+                         len(meta))
+    return header + (body if body_size is None else b"")
+
+
+@dataclasses.dataclass
+class FrontCase:
+    """One party's front (front.py) alone, in its own process, with a stand-in brpc backend
+    that records what reaches it; `attack(address, spec, folder)` connects and sends forged
+    bytes (returns the socket). Passes when the front closes that connection, logs one line
+    naming `must_say`, forwards nothing of it, and still answers the hello afterwards."""
+    name: str
+    did: str
+    attack: Callable
+    must_say: tuple[str, ...]
+    tls: bool = False
+    legit_bytes: int = 0        # bytes sent before the offending frame (forwarded)
+    expected: str = ("the front drops the frame, closes the connection naming the peer; "
+                     "nothing of it reaches brpc; the front lives")
+
+    def run(self, ctx: Context) -> Observed:
+        import socket
+        from mpcache_jax.distributed import front as front_mod
+        folder = ctx.case_dir(self.name)
+        proc, spec, backend, received = start_test_front(folder, ctx.ports(1)[0], tls=self.tls)
+        try:
+            start = time.perf_counter()
+            sock = self.attack(("127.0.0.1", spec.listen_port), spec, folder)
+            sock.settimeout(10)
+            closed = False
+            try:
+                while True:
+                    if not sock.recv(65536):
+                        closed = True
+                        break
+            except (ConnectionError, OSError):
+                closed = True
+            took = time.perf_counter() - start
+            sock.close()
+            time.sleep(0.2)
+            alive = front_answers_hello(spec, folder if self.tls else None)
+            line = ""
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not line:
+                events = [json.loads(l) for l in pathlib.Path(spec.events_path).read_text()
+                          .splitlines() if l.strip()]
+                line = (f"[party {spec.party}] front: {events[-1]['kind']} from "
+                        f"{events[-1]['node'] or ''} ({events[-1]['address']}): "
+                        f"{events[-1]['why']}") if events else ""
+                time.sleep(0.05)
+        finally:
+            proc.kill()
+            proc.wait()
+            backend.close()
+        forwarded = sum(len(b) for b in received)
+        ok = (closed and alive and forwarded <= self.legit_bytes
+              and all(m in line for m in self.must_say))
+        note = "; ".join(x for x in (
+            "" if closed else "connection not closed", "" if alive else "front dead",
+            f"{forwarded} bytes reached brpc" if forwarded > self.legit_bytes else "") if x)
+        return Observed("-", line, took, ok, note or "nothing forwarded, front alive",
+                        "send to close")
+
+
+def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
+                     max_message_bytes: int = 1 << 20, spec_overrides: dict | None = None):
+    """A front for node:1 of a 3-party config (ranks 0-2) on 127.0.0.1:port, plain or TLS
+    (certificates under folder/certs), with a recording stand-in backend -> (process, spec,
+    backend socket, list of received byte strings)."""
+    import socket
+    import threading
+    from mpcache_jax.distributed import front as front_mod
+    from mpcache_jax.distributed.launch import child_env
+    tls_spec = None
+    if tls:
+        make_certs(folder / "certs", ["node:0", "node:1", "node:2"])
+        c = folder / "certs"
+        tls_spec = {"ca": str(c / "ca.crt"), "cert": str(c / "node_1.crt"),
+                    "key": str(c / "node_1.key"), "verify_depth": 1}
+    spec = front_mod.FrontSpec(
+        party="node:1", rank=1, listen_host="127.0.0.1", listen_port=port,
+        link_id="test.3pc.run",
+        peers={f"node:{r}": {"rank": r, "host": "127.0.0.1", "address": f"127.0.0.1:{port + 0}"}
+               for r in (0, 2)},
+        hello_key=(b"k" * 32).hex(), max_frame_bytes=(1 << 20) + (64 << 10),
+        max_message_bytes=max_message_bytes, max_buffered_bytes=2 * max_message_bytes,
+        events_path=str(folder / "front_events.jsonl"), tls=tls_spec)
+    spec = dataclasses.replace(spec, **(spec_overrides or {}))
+    pathlib.Path(spec.events_path).write_text("")
+    proc = subprocess.Popen([sys.executable, front_mod.__file__, spec.to_json()],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=open(folder / "front.log", "w"), env=child_env())
+    ready = json.loads(proc.stdout.readline())
+    backend = socket.socket()
+    backend.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    backend.bind(("127.0.0.1", ready["backend_port"]))
+    backend.listen()
+    received: list[bytes] = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = backend.accept()
+            except OSError:
+                return
+            def pump(conn=conn):
+                while True:
+                    try:
+                        data = conn.recv(65536)
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    received.append(data)
+            threading.Thread(target=pump, daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    return proc, spec, backend, received
+
+
+def tls_client(address, folder: pathlib.Path, cert_tag: str = "node_0"):
+    """A TLS client socket to `address` presenting folder/certs/<cert_tag>.crt."""
+    import socket
+    import ssl
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(folder / "certs" / "ca.crt")
+    ctx.load_cert_chain(folder / "certs" / f"{cert_tag}.crt", folder / "certs" / f"{cert_tag}.key")
+    return ctx.wrap_socket(socket.create_connection(address, timeout=10))
+
+
+def front_answers_hello(spec, tls_folder: pathlib.Path | None) -> bool:
+    import socket
+    from mpcache_jax.distributed import front as front_mod
+    address = ("127.0.0.1", spec.listen_port)
+    try:
+        sock = (tls_client(address, tls_folder) if tls_folder is not None
+                else socket.create_connection(address, timeout=5))
+        nonce = os.urandom(front_mod.HELLO_NONCE_BYTES)
+        sock.sendall(front_mod.hello_request(nonce))
+        reply = b""
+        while len(reply) < 36:
+            got = sock.recv(64)
+            if not got:
+                break
+            reply += got
+        sock.close()
+    except OSError:
+        return False
+    return front_mod.check_hello_reply(reply, bytes.fromhex(spec.hello_key), nonce, spec.party)
+
+
+def _sending(*frames: bytes, tls_cert: str | None = None):
+    """An attack that connects (TLS with certs/<tls_cert> when given) and sends `frames`."""
+    def attack(address, spec, folder):
+        import socket
+        sock = (tls_client(address, folder, tls_cert) if tls_cert
+                else socket.create_connection(address, timeout=10))
+        for frame in frames:
+            try:
+                sock.sendall(frame)
+            except OSError:
+                break
+        return sock
+    return attack
+
+
+def _front_cases() -> list:
+    run_key = b"test.3pc.run:P2P-1:0->1"
+    big = 60 << 20
+
+    def wrong_san(address, spec, folder):
+        issue_cert(folder / "certs", "node_0_wrong_san", "node:0", san="IP:10.9.9.9")
+        return _sending(forge_frame(0, run_key), tls_cert="node_0_wrong_san")(address, spec,
+                                                                               folder)
+
+    def sixty_mib_messages(address, spec, folder):
+        import socket
+        sock = socket.create_connection(address, timeout=10)
+        for i in range(6):
+            key = f"test.3pc.run:P2P-{100 + i}:0->1".encode()
+            try:
+                sock.sendall(forge_frame(0, key, b"y" * 1024, message_length=big))
+            except OSError:
+                break
+        return sock
+
+    return [
+        FrontCase("front: chunk declaring 2^40 bytes", "a well-formed chunked Push from 'rank 0' "
+                  "declaring a total length of 2^40 (std::bad_alloc in the worker before)",
+                  _sending(forge_frame(0, run_key, message_length=1 << 40)),
+                  ("declaring 1,099,511,627,776 bytes, over the cap",)),
+        FrontCase("front: chunk offset 2^62", "a chunk at offset 2^62 of an 8-byte message "
+                  "('invalid chunk info' abort in yacl before)",
+                  _sending(forge_frame(0, run_key, message_length=8, chunk_offset=1 << 62)),
+                  ("at offset 4,611,686,018,427,387,904", "does not fit its message of 8")),
+        FrontCase("front: frame of 2^31 bytes", "a brpc header declaring a 2 GiB body",
+                  _sending(forge_frame(0, run_key, body_size=(1 << 31))),
+                  ("a frame of 2,147,483,648 bytes",)),
+        FrontCase("front: own rank", "a Push claiming to come from the receiving party's own rank",
+                  _sending(forge_frame(1, b"test.3pc.run:P2P-1:1->1")),
+                  ("sender rank 1, which is not a peer",)),
+        FrontCase("front: key of another link", "a Push under a key of another run's link",
+                  _sending(forge_frame(0, b"other.run:P2P-1:0->1")),
+                  ("not a key of this run's link",)),
+        FrontCase("front: rank switch mid-connection", "a first frame as rank 0, then one as "
+                  "rank 2 on the same connection",
+                  _sending(forge_frame(0, run_key), forge_frame(2, b"test.3pc.run:P2P-1:2->1")),
+                  ("claiming sender rank 2 on a connection of rank 0",),
+                  legit_bytes=len(forge_frame(0, run_key))),
+        FrontCase("front: 6 x 60 MiB messages", "six chunked messages of 60 MiB each under keys "
+                  "the program never reads (RSS 300 -> 785 MB before)", sixty_mib_messages,
+                  ("declaring 62,914,560 bytes, over the cap of 1,048,576",)),
+        FrontCase("front: HTTP request", "an HTTP GET to the link port",
+                  _sending(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
+                  ("neither brpc nor the hello",)),
+        FrontCase("front: TLS spoofed rank", "node:0's valid certificate, a Push claiming rank 2",
+                  _sending(forge_frame(2, b"test.3pc.run:P2P-1:2->1"), tls_cert="node_0"),
+                  ("node:0", "claiming sender rank 2 on a connection of rank 0"), tls=True),
+        FrontCase("front: TLS right CN, wrong SAN", "a CA-signed certificate with CN=node:0 and "
+                  "SAN IP:10.9.9.9 (brpc accepted it before)", wrong_san,
+                  ("refused a TLS client", "no subjectAltName for node:0's host"), tls=True),
+    ]
+
+
 # ----- the list ---------------------------------------------------------------------------------
 
 def _wire_cases() -> list:
@@ -531,7 +791,68 @@ def _config_cases() -> list:
     def owner_with_node2_cert(raw, folder):
         _spu(raw)["link"]["tls"] = _tls_files(folder, raw["nodes"], swap=("node:1", "node:2"))
 
+    def node2_at(address):
+        def mutate(raw, folder):
+            raw["nodes"]["node:2"] = address(raw)
+        return mutate
+
+    def same_port_as_node0(raw):
+        return "localhost:" + raw["nodes"]["node:0"].rpartition(":")[2]
+
+    def expired_cert(raw, folder):
+        _spu(raw)["link"]["tls"] = _tls_files(folder, raw["nodes"])
+        issue_cert(folder / "certs", "node_0", "node:0", days=-1)
+
+    def repeat_node1(text):
+        # {"node:0": ..., "node:1": A, "node:2": ...} -> a second "node:1" key in "nodes"
+        start = text.index('"node:1": "127.0.0.1:')
+        entry = text[start:text.index('"', start + len('"node:1": "')) + 1]
+        return text.replace(entry, f'{entry}, {entry.replace("node:1", "node:1", 1)}', 1)
+
+    held: list = []
+
+    def hold_port_of(party):
+        def mutate(raw, folder):
+            import socket
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", int(raw["nodes"][party].rpartition(":")[2])))
+            sock.listen()
+            held.append(sock)        # held until the process ends
+        return mutate
+
     return [
+        ConfigCase("config: own port busy", "another process listens on node:0's port (gave "
+                   "'brpc server failed start', exit 3)", hold_port_of("node:0"),
+                   ("address in use: node:0's link port 127.0.0.1:",), party="node:0",
+                   expected="exit 2 at once: address in use, naming the port"),
+        ConfigCase("config: own port busy (launcher)", "another process listens on node:2's port; "
+                   "--party=all", hold_port_of("node:2"),
+                   ("address in use: node:2's link port 127.0.0.1:",),
+                   expected="exit 2 before any party starts: address in use"),
+        ConfigCase("config: IPv6 literal", "node:2 at [::1]:P (the probe passed the brackets to "
+                   "socket.create_connection: a healthy peer was reported hung)",
+                   node2_at(lambda raw: "[::1]:" + raw["nodes"]["node:2"].rpartition(":")[2]),
+                   ("nodes['node:2']='[::1]:", "IPv6 address: not supported")),
+        ConfigCase("config: full-width port", "node:2's port in full-width digits "
+                   "('\uff16\uff12\uff14\uff11\uff12'.isdigit() is true)",
+                   node2_at(lambda raw: "127.0.0.1:\uff16\uff12\uff14\uff11\uff12"),
+                   ("ASCII digits 0-9",)),
+        ConfigCase("config: connect_timeout_s 1e12", "link.connect_timeout_s = 1e12 (a pybind "
+                   "TypeError traceback from the retry count)", link(connect_timeout_s=1e12),
+                   ("link.connect_timeout_s=1e+12 is beyond", "use at most 604800")),
+        ConfigCase("config: repeated node id", 'the key "node:1" twice in "nodes" (the last '
+                   "won, silently)", lambda raw, folder: None,
+                   ("the key 'node:1' appears twice",), rewrite=repeat_node1),
+        ConfigCase("config: same port via localhost", "node:2 at localhost:P where node:0 is at "
+                   "127.0.0.1:P", node2_at(same_port_as_node0),
+                   ("nodes 'node:0' and 'node:2' both use port",)),
+        ConfigCase("config: negative shaping delay", 'link.shape = {"delay_ms": -1}',
+                   link(shape={"delay_ms": -1}), ("link.shape.delay_ms=-1 must be",)),
+        ConfigCase("config: negative shaping rate", 'link.shape = {"rate_mb_s": -40}',
+                   link(shape={"rate_mb_s": -40}), ("link.shape.rate_mb_s=-40 must be",)),
+        ConfigCase("config: expired certificate", "node:0's CA-signed certificate expired "
+                   "yesterday (caught only at run time)", expired_cert,
+                   ("link.tls.certs['node:0'].cert=", "expired on")),
         ConfigCase("config: node id a/b", "node id 'a/b' (crashed the launcher, which left "
                    "parties holding ports)", rename, ("node id 'a/b' is not allowed",)),
         ConfigCase("config: string peer_timeout_s", 'link.peer_timeout_s = "10"',
@@ -637,7 +958,67 @@ def _party_cases() -> list:
         text = log_text(folder / "out", "node:0")
         return "" if "warning: link.insecure=true" in text else "no warning printed"
 
+    http_servers: list = []
+
+    def web_server_on_node2(ctx, folder):
+        import http.server
+        import threading
+        ports = ctx.ports(3)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", ports[2]),
+                                                 http.server.SimpleHTTPRequestHandler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        http_servers.append(server)
+        raw = node_config(3, "ABY3", ports, connect_timeout_s=8)
+        path = _write_config(folder, raw)
+        return {"node:0": (path, None), "node:1": (path, None)}
+
+    def stop_web_server(folder):
+        while http_servers:
+            http_servers.pop().shutdown()
+        return ""
+
+    def forged_frames_mid_run(procs):
+        import socket
+        config = json.loads(pathlib.Path(mid_run_config[0]).read_text())
+        port = int(config["nodes"]["node:1"].rpartition(":")[2])
+        link_id = config["id"] + ".run"
+        for frame in (forge_frame(0, f"{link_id}:P2P-1:0->1".encode(), message_length=1 << 40),
+                      forge_frame(0, f"{link_id}:P2P-1:0->1".encode(), message_length=8,
+                                  chunk_offset=1 << 62)):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(frame)
+                try:
+                    sock.recv(10)
+                except OSError:
+                    pass
+
+    mid_run_config: list = []
+
+    def plain_recording(ctx, folder):
+        plan = plain(job={"max_new_tokens": 4})(ctx, folder)
+        mid_run_config[:] = [str(next(iter(plan.values()))[0])]
+        return plan
+
+    def front_dropped(folder):
+        text = log_text(folder / "out", "node:1")
+        n = text.count("front: dropped a frame")
+        return "" if n >= 2 else f"node:1's front logged {n} dropped frames"
+
     return [
+        PartiesCase("blame: a web server on node:2's port", "an HTTP server listens on node:2's "
+                    "port; node:0 and node:1 started, connect_timeout_s=8 (waited 95 s with "
+                    "connect_timeout_s=8 and blamed a healthy party before)",
+                    "node:0 and node:1 exit 3 within connect_timeout_s: port P on host H "
+                    "answers but is not node:2", web_server_on_node2, ("node:0", "node:1"),
+                    ("answers but is not node:2", "party node:2 never came up"),
+                    check=stop_web_server),
+        PartiesCase("front: forged frames mid-run", "once linked, a local process sends node:1 "
+                    "(the prompt owner) a chunk declaring 2^40 bytes and one at offset 2^62 "
+                    "(each aborted the worker before)",
+                    "the front drops them, naming the connection; the run completes (every "
+                    "party exits 0)", plain_recording, ("node:0", "node:1", "node:2"), (),
+                    fault=forged_frames_mid_run, fault_after="] link up", judge_exit=0,
+                    check=front_dropped),
         PartiesCase("tls: one cert for all (patched)", "one CA-signed certificate (CN=imposter, "
                     "SAN IP:10.9.9.9) for all three nodes; every party's own check skipped",
                     "every party exits 3; those that saw a peer name it, the expected node and "
@@ -764,8 +1145,9 @@ def _cli_cases() -> list:
         CliCase("cli: generate with --policies=foo", "--experiment=generate --policies=foo "
                 "(was ignored: plaintext full ran)", ("--experiment=generate", "--policies=foo"),
                 ("unknown policy 'foo'",)),
-        CliCase("cli: generate without a policy", "--experiment=generate with no --policies",
-                ("--experiment=generate",), ("runs one policy: give --policies",)),
+        CliCase("cli: generate with two policies", "--experiment=generate --policies=full,mpcache",
+                ("--experiment=generate", "--policies=full,mpcache"),
+                ("runs one policy: give --policies",)),
         CliCase("cli: accuracy ignores --backend", "--experiment=accuracy --backend=xla",
                 (*acc, "--backend=xla"), ("--backend is not used by --experiment=accuracy",)),
         CliCase("cli: protocol vs node config", "--backend=spu_nodes with the 2-party SEMI2K "
@@ -816,7 +1198,7 @@ def _resume_folder(folder: pathlib.Path) -> None:
 
 def all_cases() -> list:
     """Every case, fast ones first."""
-    return (_wire_cases() + _config_cases() + _cli_cases() + _party_cases()
+    return (_wire_cases() + _front_cases() + _config_cases() + _cli_cases() + _party_cases()
             + _launcher_cases())
 
 

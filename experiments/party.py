@@ -47,15 +47,17 @@ def main(argv):
                                              PartyFailure, load_node_config, run_loopback,
                                              run_party)
         from mpcache_jax.distributed.supervise import supervise
+        from mpcache_jax.distributed.party import AddressInUse
     except Exception as err:  # noqa: BLE001 - a broken install must still say why
         traceback.print_exc()
         print(f"[party {who}] error: cannot import the launcher: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
     try:
         if who == "all":
+            from mpcache_jax.distributed.config import DuplicateKeyError, loads_strict
             try:
-                overrides = json.loads(FLAGS.job) if FLAGS.job else {}
-            except json.JSONDecodeError as err:
+                overrides = loads_strict(FLAGS.job) if FLAGS.job else {}
+            except (json.JSONDecodeError, DuplicateKeyError) as err:
                 raise NodeConfigError(f"--job is not valid JSON: {err}") from None
             if not isinstance(overrides, dict):
                 raise NodeConfigError(f"--job must be a JSON object, e.g. '{{\"policy\": "
@@ -72,10 +74,15 @@ def main(argv):
                 print(json.dumps(records[-1]))
             return 0
         config = load_node_config(FLAGS.node_config, party=who)
+        if not FLAGS.worker:
+            for warning in config.warnings:
+                print(f"[party {who}] warning: {warning}", file=sys.stderr, flush=True)
         if FLAGS.job:
             raise NodeConfigError("--job overrides are for --party=all only: every party must "
                                   "read the same job, so edit the node config instead")
         if not FLAGS.worker:
+            from mpcache_jax.distributed.party import check_own_port
+            check_own_port(config, who)
             own = [f"--prompt_file={FLAGS.prompt_file}"] if FLAGS.prompt_file else []
             sys.exit(supervise(config, who, FLAGS.output_dir,
                                [sys.executable, "-m", "experiments.party", "--worker",
@@ -91,6 +98,9 @@ def main(argv):
         os._exit(0)
     except NodeConfigError as err:
         print(f"[party {who}] error: bad node config: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    except AddressInUse as err:
+        print(f"[party {who}] error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
     except Interrupted as err:
         print(f"[party {who}] error: {err}", file=sys.stderr, flush=True)

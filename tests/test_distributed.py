@@ -246,6 +246,33 @@ CASES = {
                                'or add "insecure": true to the link section'),
     "insecure with TLS": (lambda r: _spu(r)["link"].update(insecure=True, tls={
         "ca": "ca.crt", "certs": {}}), "link.insecure=true and link.tls contradict"),
+    # issue 32: configs that passed validation and failed at run time
+    "IPv6 literal": (lambda r: r["nodes"].update({"node:2": "[::1]:61402"}),
+                     "nodes['node:2']='[::1]:61402' is an IPv6 address: not supported"),
+    "bare IPv6": (lambda r: r["nodes"].update({"node:2": "::1:61402"}),
+                  "is an IPv6 address: not supported"),
+    "full-width port": (lambda r: r["nodes"].update({"node:2": "127.0.0.1:\uff16\uff12\uff14"}),
+                        "must be a number from 1 to 65535 in ASCII digits 0-9"),
+    "port 0": (lambda r: r["nodes"].update({"node:2": "127.0.0.1:0"}),
+               "must be a number from 1 to 65535"),
+    "port as a number": (lambda r: r["nodes"].update({"node:2": 61402}),
+                         "must be a string \"host:port\""),
+    "same port via localhost": (lambda r: r["nodes"].update({"node:2": "localhost:61400"}),
+                                "nodes 'node:0' and 'node:2' both use port 61400"),
+    "connect timeout 1e12": (lambda r: _spu(r)["link"].update(connect_timeout_s=1e12),
+                             "link.connect_timeout_s=1e+12 is beyond the longest timeout the "
+                             "link accepts, 604800 s"),
+    "retry interval beyond 32 bits": (
+        lambda r: _spu(r)["link"].update(connect_retry_interval_ms=2**40),
+        "link.connect_retry_interval_ms=1099511627776 is beyond the bound"),
+    "job timeout beyond a week": (lambda r: r["job"].update(timeout_s=1e9),
+                                  "job.timeout_s=1e+09 is beyond 604800 s"),
+    "negative shaping delay": (lambda r: _spu(r)["link"].update(shape={"delay_ms": -1}),
+                               "link.shape.delay_ms=-1 must be a number of milliseconds"),
+    "negative shaping rate": (lambda r: _spu(r)["link"].update(shape={"rate_mb_s": -40}),
+                              "link.shape.rate_mb_s=-40 must be a rate in MB/s above 0"),
+    "unknown shaping profile": (lambda r: _spu(r)["link"].update(shape="lte"),
+                                "link.shape='lte' is unknown; use \"lan\""),
 }
 
 
@@ -272,6 +299,57 @@ def test_party_cli_rejects_a_bad_config_before_starting(tmp_path, case):
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (out.exists() and list(out.glob("party_*.log")))
     assert not fc.processes_mentioning(str(out))
+
+
+def test_a_repeated_key_is_refused_at_load(tmp_path):
+    """json.loads keeps the last of two equal keys; the loader refuses them, in any object."""
+    text = json.dumps(node_config(3, "ABY3"))
+    entry = '"node:1": "127.0.0.1:61401"'
+    path = tmp_path / "nodes.json"
+    path.write_text(text.replace(entry, f'{entry}, "node:1": "127.0.0.1:61409"'))
+    with pytest.raises(NodeConfigError, match="the key 'node:1' appears twice"):
+        load_node_config(path)
+    path.write_text(text.replace('"seq_len": 32', '"seq_len": 32, "seq_len": 64'))
+    with pytest.raises(NodeConfigError, match="the key 'seq_len' appears twice"):
+        load_node_config(path)
+
+
+def _tls_config(tmp_path, node0_days: int):
+    parties = ["node:0", "node:1", "node:2"]
+    fc.make_certs(tmp_path / "certs", parties)
+    fc.issue_cert(tmp_path / "certs", "node_0", "node:0", days=node0_days)
+    return write(tmp_path, node_config(3, "ABY3", tls=tls_section(parties)))
+
+
+def test_an_expired_certificate_is_refused_at_load(tmp_path):
+    path = _tls_config(tmp_path, node0_days=-1)
+    with pytest.raises(NodeConfigError, match=r"link.tls.certs\['node:0'\].cert=.* expired on"):
+        load_node_config(path)
+    with pytest.raises(NodeConfigError, match="expired on"):
+        load_node_config(path, party="node:0")
+    load_node_config(path, party="node:1")        # a party checks its own files only
+
+
+def test_a_certificate_expiring_within_a_week_warns_at_load(tmp_path):
+    path = _tls_config(tmp_path, node0_days=3)
+    config = load_node_config(path)
+    assert len(config.warnings) == 1 and "link.tls.certs['node:0'].cert" in config.warnings[0]
+    assert "expires on" in config.warnings[0]
+    assert not load_node_config(path, party="node:1").warnings
+
+
+def test_the_documented_certificate_recipe_fits_the_shipped_tls_config(tmp_path):
+    """scripts/make_certs.sh (the recipe in WORKSPACE.md) makes CN=node:N certificates with a
+    SAN for each host; the shipped 3pc_aby3_hosts_tls.json loads with them, whole and per party."""
+    import shutil
+    nodes = tmp_path / "nodes"
+    shutil.copytree(NODES, nodes)
+    subprocess.run(["bash", str(REPO / "scripts" / "make_certs.sh"), str(nodes / "certs"),
+                    "10.0.0.1", "10.0.0.2", "10.0.0.3"], check=True, capture_output=True)
+    config = load_node_config(nodes / "3pc_aby3_hosts_tls.json")
+    assert config.link.tls is not None and not config.warnings
+    for pid in config.party_ids:
+        load_node_config(nodes / "3pc_aby3_hosts_tls.json", party=pid)
 
 
 def test_job_overrides_are_bounded_before_anything_starts(tmp_path):
@@ -404,8 +482,11 @@ def tls_section(parties: list[str], ca: str = "certs/ca.crt") -> dict:
 
 
 def test_tls_between_parties(tmp_path):
+    """The documented recipe (scripts/make_certs.sh, run as WORKSPACE.md says) gives a mutual
+    TLS run through the parties' fronts that completes with the plaintext tokens."""
     parties = ["node:0", "node:1"]
-    fc.make_certs(tmp_path / "certs", parties)
+    subprocess.run(["bash", str(REPO / "scripts" / "make_certs.sh"), str(tmp_path / "certs"),
+                    "127.0.0.1", "127.0.0.1"], check=True, capture_output=True)
     raw = node_config(2, "SEMI2K", tls=tls_section(parties))
     record = run_loopback(write(tmp_path, raw), tmp_path / "out", use_free_ports=True)[-1]
     xla_tokens, _ = reference(TINY_JOB)
@@ -552,3 +633,96 @@ def test_party_table_pools_runs_and_prints_ratios_to_full(tmp_path):
     assert "| netns | 1024 | `mpcache` | 2.00x | 2.00x | 2.00x | 1.79x |" in text
     assert party_table.main(["party_table", str(tmp_path)]) == 0
     assert (tmp_path / "party_table.csv").read_text().count("\n") == 3
+
+
+# ----- the front door (issue 32) -------------------------------------------------------------
+
+FRONT_CASES = {case.name: case for case in fc._front_cases()}
+
+
+@pytest.mark.parametrize("name", sorted(FRONT_CASES))
+def test_the_front_drops_a_hostile_frame_and_names_the_peer(tmp_path, name):
+    """Each forged frame of experiments/fault_cases.py against a real front process: the
+    connection is closed with a line naming the peer, nothing of it reaches brpc, the front
+    still answers the hello."""
+    observed = FRONT_CASES[name].run(fc.Context(tmp_path))
+    assert observed.passed, (observed.error, observed.note)
+
+
+def test_front_parses_the_frames_spu_sends():
+    """A Push as SPU 0.9.5 frames it (a chunk of a 3 MB message, read off the wire) parses to
+    its rank, key, chunk length and offset; a header alone waits for the body."""
+    from mpcache_jax.distributed import front
+    frame = fc.forge_frame(2, b"l.run:P2P-7:2->0", b"z" * 100, message_length=3000, chunk_offset=200)
+    push = front.parse_frame(bytearray(frame + b"PRPC"), 1 << 20)
+    assert (push.sender_rank, push.key, push.chunk_bytes, push.message_length,
+            push.chunk_offset, push.frame_bytes) == (2, b"l.run:P2P-7:2->0", 100, 3000, 200,
+                                                     len(frame))
+    assert front.parse_frame(bytearray(frame[:20]), 1 << 20) is None
+    ledger = front.PeerLedger()
+    rules = dict(bound_rank=2, my_rank=0, link_id=b"l.run", max_message_bytes=4000,
+                 max_buffered_bytes=5000, ledger=ledger)
+    front.check_push(push, **rules)
+    assert ledger.buffered == 3000
+    with pytest.raises(front.FrameError, match="unfinished messages of 6,000 bytes"):
+        front.check_push(front.parse_frame(bytearray(fc.forge_frame(
+            2, b"l.run:P2P-8:2->0", b"z", message_length=3000)), 1 << 20), **rules)
+    with pytest.raises(front.FrameError, match="restating its message's length"):
+        front.check_push(front.parse_frame(bytearray(fc.forge_frame(
+            2, b"l.run:P2P-7:2->0", b"z", message_length=2999)), 1 << 20), **rules)
+    with pytest.raises(front.FrameError, match=r"\(2->1\) on a connection from rank 2 to this "
+                                               r"party \(rank 0\)"):
+        front.check_push(front.parse_frame(bytearray(fc.forge_frame(
+            2, b"l.run:P2P-9:2->1")), 1 << 20), **rules)
+    with pytest.raises(front.FrameError, match="another service"):
+        front.parse_frame(bytearray(fc.forge_frame(2, b"k", service=b"evil.Service")), 1 << 20)
+    with pytest.raises(front.FrameError, match="not a brpc frame"):
+        front.parse_frame(bytearray(b"\x80\x04\x95pickle..."), 1 << 20)
+
+
+def test_message_cap_follows_its_formula():
+    """cap = 1 MiB + b * max(largest weight, T*V, 4 * max(H*T*(T+N), T*F, V)); the announced
+    prompt length replaces job.seq_len."""
+    from mpcache_jax.distributed.party import message_cap_bytes
+    config = parse_node_config(node_config(3, "ABY3"))
+    cfg = job_lib.build(config.job)[0].cfg
+    largest = max(int(np.prod(leaf.shape)) for leaf in
+                  __import__("jax").tree_util.tree_leaves(job_lib.weight_shapes(config.job)))
+    for T in (32, 500):
+        values = max(largest, T * cfg.vocab_size, 4 * max(cfg.num_heads * T * (T + 2),
+                                                          T * cfg.intermediate_size,
+                                                          cfg.vocab_size))
+        assert message_cap_bytes(config, prompt_len=T) == (1 << 20) + 16 * values
+
+
+def test_link_shape_profiles_reach_the_front(tmp_path):
+    """link.shape "lan" / "wan" / explicit -> the front's one-way delay (s) and rate (B/s)."""
+    from mpcache_jax.distributed.party import front_spec
+    for shape, delay_s, rate in (("lan", 0.0003, 377e6), ("wan", 0.08, 40e6),
+                                 ({"delay_ms": 5}, 0.005, None), (None, 0.0, None)):
+        config = parse_node_config(node_config(3, "ABY3", shape=shape))
+        spec = front_spec(config, "node:1", tmp_path / "events.jsonl")
+        assert spec.delay_s == pytest.approx(delay_s)
+        assert spec.rate_bytes_s == (None if rate is None else pytest.approx(rate))
+
+
+def test_a_shaping_front_relays_every_frame_intact(tmp_path):
+    """With a delay and a rate, the checked frames still reach brpc whole and in order."""
+    import socket
+    from mpcache_jax.distributed import front
+    proc, spec, backend, received = fc.start_test_front(
+        tmp_path, free_ports(1)[0], spec_overrides={"delay_s": 0.02, "rate_bytes_s": 2e6})
+    try:
+        frames = [fc.forge_frame(0, f"test.3pc.run:P2P-{i}:0->1".encode(), bytes([i]) * 3000)
+                  for i in range(20)]
+        with socket.create_connection(("127.0.0.1", spec.listen_port)) as sock:
+            for frame in frames:
+                sock.sendall(frame)
+            deadline = time.monotonic() + 20
+            while sum(map(len, received)) < sum(map(len, frames)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert b"".join(received) == b"".join(frames)
+    finally:
+        proc.kill()
+        proc.wait()
+        backend.close()

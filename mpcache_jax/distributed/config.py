@@ -41,9 +41,10 @@ own; every party's for the loopback launcher), and on the network, where each pa
 own TLS connection (CA + its own certificate) to every peer's link endpoint before the first
 share is sent (`party.verify_peers`), and again on every liveness probe (`party.probe`,
 `identity_mismatch`): a peer whose certificate names another node ends the run with both
-names. Limit: brpc's server side accepts any CA-signed client certificate, so a holder of one
-could still open a client connection to a party's endpoint claiming another rank; closing
-that needs per-connection identity in yacl's link (not in SPU 0.9.5).
+names. brpc's own server side would accept any CA-signed client certificate; it is
+therefore never exposed: every party's endpoint is its front (front.py), which terminates
+mutual TLS, requires a client certificate that names a peer node by this rule, binds the
+connection to that node and refuses frames claiming another rank.
 
 Plain TCP (no "tls") is allowed between loopback addresses only; a config with a non-loopback
 host and no TLS is rejected unless `"insecure": true` is in the link section (then every
@@ -83,6 +84,11 @@ class TLSConfig:
     verify_depth: int = 1
 
 
+# The longest timeout any link or job field may name: 7 days. The link takes milliseconds
+# and retry counts as 32-bit integers (uint32 / brpc's int32 ms), which 7 days in ms fits.
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -101,6 +107,48 @@ def _check_types(obj, types: dict[str, tuple[str, Any]], where: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShapeSpec:
+    """Traffic shaping by the parties' fronts: every frame a party receives is held for
+    `delay_ms` (one-way delay) after it has passed a per-connection rate of `rate_mb_s`
+    (10^6 bytes per second; None = no rate limit)."""
+
+    delay_ms: float = 0.0
+    rate_mb_s: float | None = None
+
+
+# link.shape profiles: the paper's LAN (3016 mbit = 377 MB/s, 0.3 ms) and WAN (40 MB/s, 80 ms).
+SHAPE_PROFILES = {"lan": ShapeSpec(0.3, 377.0), "wan": ShapeSpec(80.0, 40.0)}
+MAX_SHAPE_DELAY_MS = 60_000.0
+
+
+def parse_shape(shape: Any) -> ShapeSpec | None:
+    """link.shape: null, "lan", "wan" or {"delay_ms": MS, "rate_mb_s": MB_PER_S | null}."""
+    if shape is None or isinstance(shape, ShapeSpec):
+        return shape
+    if isinstance(shape, str):
+        if shape not in SHAPE_PROFILES:
+            raise NodeConfigError(f"link.shape={shape!r} is unknown; use \"lan\" (377 MB/s, "
+                                  "0.3 ms), \"wan\" (40 MB/s, 80 ms) or {\"delay_ms\": MS, "
+                                  "\"rate_mb_s\": MB_PER_S}")
+        return SHAPE_PROFILES[shape]
+    if not isinstance(shape, dict):
+        raise NodeConfigError(f"link.shape={shape!r} must be \"lan\", \"wan\" or "
+                              "{\"delay_ms\": MS, \"rate_mb_s\": MB_PER_S}")
+    unknown = sorted(set(shape) - {"delay_ms", "rate_mb_s"})
+    if unknown:
+        raise NodeConfigError(f"link.shape has unknown key(s) {unknown}; keys: delay_ms, "
+                              "rate_mb_s")
+    delay, rate = shape.get("delay_ms", 0.0), shape.get("rate_mb_s")
+    if not _is_number(delay) or not 0 <= delay <= MAX_SHAPE_DELAY_MS:
+        raise NodeConfigError(f"link.shape.delay_ms={delay!r} must be a number of milliseconds "
+                              f"from 0 to {MAX_SHAPE_DELAY_MS:g} (one-way delay)")
+    if rate is not None and (not _is_number(rate) or not 0 < rate <= 1e6):
+        raise NodeConfigError(f"link.shape.rate_mb_s={rate!r} must be a rate in MB/s above 0 "
+                              "(at most 1e6), or null for no rate limit")
+    return ShapeSpec(float(delay), None if rate is None else float(rate))
+
+
+@dataclasses.dataclass(frozen=True)
 class LinkOptions:
     """brpc link settings and failure detection.
 
@@ -113,7 +161,8 @@ class LinkOptions:
     alive; it must exceed the longest local step of any party (compilation, ~20 s for a
     30-layer model). `connect_retry_times` x `connect_retry_interval_ms`: brpc's own connect
     retries (raised, when shorter, to outlast connect_timeout_s, which decides).
-    `insecure`: allow plain TCP to non-loopback hosts (prints a warning)."""
+    `insecure`: allow plain TCP to non-loopback hosts (prints a warning). `shape`: traffic
+    shaping by the fronts (`parse_shape`: "lan", "wan" or {"delay_ms", "rate_mb_s"})."""
 
     peer_timeout_s: float = 30.0
     recv_timeout_s: float = 600.0
@@ -122,9 +171,11 @@ class LinkOptions:
     connect_retry_interval_ms: int = 1000
     http_timeout_ms: int = 20000
     insecure: bool = False
+    shape: Any = None
     tls: TLSConfig | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "shape", parse_shape(self.shape))
         seconds = ("a number of seconds", _is_number)
         integer = ("an integer", _is_int)
         _check_types(self, {"peer_timeout_s": seconds, "recv_timeout_s": seconds,
@@ -133,11 +184,23 @@ class LinkOptions:
                             "insecure": ("true or false", lambda v: isinstance(v, bool))},
                      "link")
         for name in ("peer_timeout_s", "recv_timeout_s", "connect_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise NodeConfigError(f"link.{name}={getattr(self, name)} must be > 0 seconds")
+            value = getattr(self, name)
+            if value <= 0:
+                raise NodeConfigError(f"link.{name}={value} must be > 0 seconds")
+            if value > MAX_TIMEOUT_S:
+                raise NodeConfigError(f"link.{name}={value:g} is beyond the longest timeout the "
+                                      f"link accepts, {MAX_TIMEOUT_S} s (7 days: its "
+                                      "milliseconds and retry counts are 32-bit); use at most "
+                                      f"{MAX_TIMEOUT_S}")
         if self.connect_retry_times < 0 or self.connect_retry_interval_ms <= 0:
             raise NodeConfigError("link.connect_retry_times must be >= 0 and "
                                   "link.connect_retry_interval_ms > 0")
+        for name in ("connect_retry_times", "connect_retry_interval_ms", "http_timeout_ms"):
+            value = getattr(self, name)
+            if value > MAX_TIMEOUT_S * 1000:
+                raise NodeConfigError(f"link.{name}={value} is beyond the bound the link "
+                                      f"accepts ({MAX_TIMEOUT_S * 1000}, 32-bit and 7 days in "
+                                      f"ms); use at most {MAX_TIMEOUT_S * 1000}")
         if self.http_timeout_ms <= 0:
             raise NodeConfigError(f"link.http_timeout_ms={self.http_timeout_ms} must be > 0")
         if self.insecure and self.tls is not None:
@@ -223,6 +286,9 @@ class JobSpec:
                                   f"is {self.seq_len}; make them agree")
         if self.timeout_s <= 0:
             raise NodeConfigError(f"job.timeout_s={self.timeout_s} must be > 0 seconds")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise NodeConfigError(f"job.timeout_s={self.timeout_s:g} is beyond {MAX_TIMEOUT_S} s "
+                                  "(7 days); use at most that")
         if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
             raise NodeConfigError(f"job.memory_limit_gb={self.memory_limit_gb} must be > 0")
 
@@ -239,6 +305,8 @@ class NodeConfig:
     link: LinkOptions
     job: JobSpec
     path: str | None = None
+    # Things to tell the operator at load (a certificate that expires within 7 days).
+    warnings: tuple[str, ...] = ()
 
     @property
     def party_ids(self) -> tuple[str, ...]:
@@ -325,11 +393,44 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+ASCII_PORT = re.compile(r"[0-9]{1,5}")
+HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
+
+
 def _check_address(party: str, addr: Any) -> tuple[str, int]:
-    host, sep, port = str(addr).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    """nodes[party] = "host:port" -> (host, port). The host is an IPv4 address or a DNS name
+    (IPv6 literals are refused: SPU 0.9.5's brpc link and the probes take `host:port` only);
+    the port is 1-65535 in ASCII digits (`str.isdigit` also accepts full-width digits)."""
+    if not isinstance(addr, str):
+        raise NodeConfigError(f"nodes[{party!r}]={addr!r} must be a string \"host:port\" "
+                              "(e.g. \"127.0.0.1:61320\")")
+    if addr.startswith("[") or addr.count(":") > 1:
+        raise NodeConfigError(f"nodes[{party!r}]={addr!r} is an IPv6 address: not supported "
+                              "(SPU 0.9.5's brpc link takes host:port only); use an IPv4 "
+                              "address (e.g. 127.0.0.1 for ::1) or a host name")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host:
         raise NodeConfigError(f"nodes[{party!r}]={addr!r} is not host:port (e.g. 127.0.0.1:61320)")
+    if not ASCII_PORT.fullmatch(port) or not 0 < int(port) < 65536:
+        raise NodeConfigError(f"nodes[{party!r}]={addr!r}: the port {port!r} must be a number "
+                              "from 1 to 65535 in ASCII digits 0-9 (e.g. 127.0.0.1:61320)")
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        if not HOST_NAME.fullmatch(host) or len(host) > 253 or host.replace(".", "").isdigit():
+            raise NodeConfigError(f"nodes[{party!r}]={addr!r}: the host {host!r} is neither an "
+                                  "IPv4 address nor a host name (letters, digits, '-', '.')"
+                                  ) from None
     return host, int(port)
+
+
+def _same_endpoint_key(host: str, port: int) -> tuple[str, int]:
+    """Hosts that name the same listening socket map to one key: every loopback spelling
+    ('localhost', 127.0.0.1, 0.0.0.0, which binds them all) is one host; names compare
+    case-insensitively."""
+    lowered = host.lower().rstrip(".")
+    return ("*" if lowered in ("localhost", "0.0.0.0") or is_loopback(lowered) else lowered,
+            port)
 
 
 def validate_runtime_config(runtime: Any, world_size: int) -> MPCConfig:
@@ -410,22 +511,57 @@ def read_certificate(path: str) -> dict | None:
         raise NodeConfigError(f"{path} is not a readable PEM certificate ({err})") from None
 
 
-def check_own_certificate(node: str, host: str, path: str, where: str) -> None:
-    """The certificate file configured for `node` must name it (CN) and its host (SAN)."""
+# A certificate that expires within this long is accepted with a warning at load.
+EXPIRY_WARNING_S = 7 * 24 * 3600
+
+
+def check_validity(cert: dict, path: str, where: str, now: float | None = None) -> str | None:
+    """A certificate's validity dates against `now` (Unix seconds, default the clock): not yet
+    valid or expired -> NodeConfigError naming the file and the date; expiring within 7 days
+    -> a warning (returned); else None."""
+    import ssl
+    import time
+    now = time.time() if now is None else now
+    try:
+        not_before = ssl.cert_time_to_seconds(cert["notBefore"])
+        not_after = ssl.cert_time_to_seconds(cert["notAfter"])
+    except (KeyError, ValueError):
+        raise NodeConfigError(f"{where}={path!r} has no readable validity dates") from None
+    if now < not_before:
+        raise NodeConfigError(f"{where}={path!r} is not valid yet (from {cert['notBefore']}; "
+                              "check this machine's clock or reissue it)")
+    if now > not_after:
+        raise NodeConfigError(f"{where}={path!r} expired on {cert['notAfter']}; issue a new one "
+                              "(scripts/make_certs.sh)")
+    if not_after - now < EXPIRY_WARNING_S:
+        days = (not_after - now) / 86400
+        return (f"{where}={path!r} expires on {cert['notAfter']} (in {days:.1f} days); issue a "
+                "new one before then (scripts/make_certs.sh)")
+    return None
+
+
+def check_own_certificate(node: str, host: str, path: str, where: str) -> str | None:
+    """The certificate file configured for `node` must be within its validity dates and name
+    `node` (CN) and its host (SAN) -> a warning if it expires within 7 days, else None."""
     cert = read_certificate(path)
     if cert is None:
-        return
+        return None
+    warning = check_validity(cert, path, where)
     why = identity_mismatch(cert, node, host)
     if why:
         raise NodeConfigError(f"{where}={path!r} cannot identify node {node!r}: {why}. Each "
                               f"node's certificate must have CN={node!r} and a subjectAltName "
                               f"for {host} (the address in 'nodes'); issue one per node")
+    return warning
 
 
 def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
-               check_parties: tuple[str, ...]) -> TLSConfig | None:
-    """link.tls -> TLSConfig; the files of `check_parties` must exist and their certificates
-    must name their node (CN) and host (SAN)."""
+               check_parties: tuple[str, ...], warnings: list[str] | None = None
+               ) -> TLSConfig | None:
+    """link.tls -> TLSConfig; the files of `check_parties` must exist, be within their
+    validity dates (the CA's too) and name their node (CN) and host (SAN). Certificates that
+    expire within 7 days add a line to `warnings`."""
+    warnings = [] if warnings is None else warnings
     party_ids = tuple(hosts)
     if tls is None:
         return None
@@ -460,8 +596,10 @@ def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
                                 key=resolve(_need(entry, "key", f"link.tls.certs[{pid!r}]"),
                                             f"link.tls.certs[{pid!r}].key", check))
     for pid in check_parties:
-        check_own_certificate(pid, hosts[pid], certs[pid].cert,
-                              f"link.tls.certs[{pid!r}].cert")
+        warning = check_own_certificate(pid, hosts[pid], certs[pid].cert,
+                                        f"link.tls.certs[{pid!r}].cert")
+        if warning:
+            warnings.append(warning)
     unknown = sorted(set(tls) - {"ca", "certs", "verify_depth"})
     if unknown:
         raise NodeConfigError(f"link.tls has unknown key(s) {unknown}; keys: ca, certs, "
@@ -469,8 +607,14 @@ def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
     depth = tls.get("verify_depth", 1)
     if not _is_int(depth) or depth < 1:
         raise NodeConfigError(f"link.tls.verify_depth={depth!r} must be an integer >= 1")
-    return TLSConfig(ca=resolve(_need(tls, "ca", "link.tls"), "link.tls.ca", bool(check_parties)),
-                     certs=certs, verify_depth=depth)
+    ca = resolve(_need(tls, "ca", "link.tls"), "link.tls.ca", bool(check_parties))
+    if check_parties:
+        ca_cert = read_certificate(ca)
+        if ca_cert is not None:
+            warning = check_validity(ca_cert, ca, "link.tls.ca")
+            if warning:
+                warnings.append(warning)
+    return TLSConfig(ca=ca, certs=certs, verify_depth=depth)
 
 
 def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: str | None = None,
@@ -490,7 +634,7 @@ def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: st
     seen: dict[tuple[str, int], str] = {}
     for pid, addr in nodes.items():
         host, port = _check_address(pid, addr)
-        key = ("*" if host in ("127.0.0.1", "localhost", "0.0.0.0") else host, port)
+        key = _same_endpoint_key(host, port)
         if key in seen:
             raise NodeConfigError(f"nodes {seen[key]!r} and {pid!r} both use port {port} on "
                                   f"{host}; give each party its own port")
@@ -546,7 +690,8 @@ def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: st
                               '"insecure" to use TLS, or "tls" to run over plain TCP')
     check = (party,) if party is not None else tuple(node_ids)
     hosts = {pid: _check_address(pid, nodes[pid])[0] for pid in node_ids}
-    tls = _parse_tls(tls_raw, pathlib.Path(base_dir), hosts, check)
+    warnings: list[str] = []
+    tls = _parse_tls(tls_raw, pathlib.Path(base_dir), hosts, check, warnings)
     link = LinkOptions(**link_raw, tls=tls)
     remote = sorted(pid for pid, host in hosts.items() if not is_loopback(host))
     if remote and tls is None and not link.insecure:
@@ -572,7 +717,8 @@ def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: st
 
     config = NodeConfig(id=config_id, parties=tuple((pid, nodes[pid]) for pid in node_ids),
                         mpc=runtime, model_owner=owners["MODEL_OWNER"],
-                        prompt_owner=owners["PROMPT_OWNER"], link=link, job=job, path=path)
+                        prompt_owner=owners["PROMPT_OWNER"], link=link, job=job, path=path,
+                        warnings=tuple(warnings))
     check_job_bounds(config)
     return config
 
@@ -679,7 +825,28 @@ def load_node_config(path: str | os.PathLike, party: str | None = None) -> NodeC
     if not path.is_file():
         raise NodeConfigError(f"node config {str(path)!r} does not exist")
     try:
-        raw = json.loads(path.read_text())
+        raw = loads_strict(path.read_text())
     except json.JSONDecodeError as err:
         raise NodeConfigError(f"node config {str(path)!r} is not valid JSON: {err}") from None
+    except DuplicateKeyError as err:
+        raise NodeConfigError(f"node config {str(path)!r}: {err}") from None
     return parse_node_config(raw, base_dir=path.parent, party=party, path=str(path.resolve()))
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object names one key twice (json.loads would silently keep the last)."""
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise DuplicateKeyError(f"the key {key!r} appears twice in one JSON object (the "
+                                    "last would silently win); keep one")
+        seen[key] = value
+    return seen
+
+
+def loads_strict(text: str) -> Any:
+    """json.loads that refuses an object with a repeated key (DuplicateKeyError)."""
+    return json.loads(text, object_pairs_hook=_refuse_duplicates)

@@ -117,7 +117,8 @@ def prepare_config(node_config: str | os.PathLike, output_dir: pathlib.Path,
     """Validate `node_config` (+ job overrides) for loopback and write the effective config to
     `output_dir/node_config.json` (TLS paths made absolute) — the file every party reads."""
     source = pathlib.Path(node_config)
-    load_node_config(source)  # the file as given must be valid on its own
+    for warning in load_node_config(source).warnings:  # the file must be valid on its own
+        print(f"[party all] warning: {warning}", file=sys.stderr, flush=True)
     raw = json.loads(source.read_text())
     raw.setdefault("job", {}).update(job_overrides)
     for pid, address in raw["nodes"].items():
@@ -242,6 +243,9 @@ def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike |
     """
     out = pathlib.Path(output_dir or tempfile.mkdtemp(prefix="mpcache_nodes_"))
     config, path = prepare_config(node_config, out, use_free_ports, **job_overrides)
+    from mpcache_jax.distributed.party import check_own_port
+    for pid in config.party_ids:
+        check_own_port(config, pid)       # AddressInUse before any party starts
     results = out / "results.jsonl"
     before = results.read_text().splitlines() if results.exists() else []
     procs: dict[str, subprocess.Popen] = {}

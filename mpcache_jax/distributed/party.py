@@ -33,6 +33,7 @@ import pathlib
 import re
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +59,18 @@ def log(party_id: str, message: str) -> None:
 
 # ----- link ---------------------------------------------------------------------------------
 
-def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: float):
-    """spu.link.Desc for this config; TLS options from the config (own cert, shared CA).
+LINK_ID = "run"
+
+
+def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: float,
+              front: "FrontHandle | None" = None):
+    """spu.link.Desc for this config.
+
+    With this party's `front` (the default path, see front.py): brpc listens on
+    127.0.0.1:front.backend_port behind the front, and connects to each peer's front (under
+    TLS through the front's local outbound port for that peer, which does the TLS and checks
+    the peer's identity), so brpc itself runs plain TCP on loopback. Without a front (tests
+    of the bare link only): every party at its public address, TLS options from the config.
 
     brpc keeps retrying the connection to a peer for connect_retry_times x
     connect_retry_interval_ms; raised here to outlast link.connect_timeout_s, so that the
@@ -68,6 +79,10 @@ def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: f
     desc = link.Desc()
     desc.id = f"{config.id}.{link_id}"
     for pid, address in config.parties:
+        if front is not None and pid == party_id:
+            address = f"127.0.0.1:{front.backend_port}"
+        elif front is not None and pid in front.outbound:
+            address = f"127.0.0.1:{front.outbound[pid]}"
         desc.add_party(pid, address)
     opts = config.link
     desc.recv_timeout_ms = int(recv_timeout_s * 1000)
@@ -78,7 +93,7 @@ def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: f
     desc.connect_retry_times = max(opts.connect_retry_times, needed)
     desc.connect_retry_interval_ms = interval_ms
     desc.http_timeout_ms = opts.http_timeout_ms
-    if opts.tls is not None:
+    if opts.tls is not None and front is None:
         mine = opts.tls.certs[party_id]
         desc.enable_ssl = True
         # Both directions: servers verify clients and clients verify servers (mutual TLS, CA
@@ -89,6 +104,184 @@ def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: f
             side.verify.ca_file_path = opts.tls.ca
             side.verify.verify_depth = opts.tls.verify_depth
     return desc
+
+
+# ----- the front door (front.py) -------------------------------------------------------------
+
+class AddressInUse(RuntimeError):
+    """This party's own public port is taken by another process (exit 2)."""
+
+
+@dataclasses.dataclass
+class FrontHandle:
+    """A running front process: brpc's backend port, the local port per peer under TLS."""
+
+    proc: Any
+    backend_port: int
+    outbound: dict[str, int]
+    events_path: pathlib.Path
+
+    def stats(self) -> dict:
+        """{"frames", "bytes" (relayed to brpc so far), "cpu_s" (the front's CPU)}; {} if the
+        front does not answer."""
+        try:
+            self.proc.stdin.write(b"stats\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+        except (BrokenPipeError, OSError, ValueError):
+            return {}
+
+    def set_cap(self, max_message_bytes: int) -> None:
+        """A new cap on a message's declared length (once the prompt length is public)."""
+        try:
+            self.proc.stdin.write(f"cap {int(max_message_bytes)}\n".encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+
+def check_own_port(config: NodeConfig, party_id: str) -> None:
+    """Raise AddressInUse (exit 2, at once) if `party_id`'s public port cannot be bound now
+    (another process holds it). The front binds it for real moments later."""
+    import errno
+    import socket
+    host, _, port = config.address(party_id).rpartition(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, int(port)))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise AddressInUse(f"address in use: {party_id}'s link port {host}:{port} is "
+                                   "taken by another process; stop it or give "
+                                   f"nodes[{party_id!r}] another port") from None
+            raise AddressInUse(f"{party_id} cannot listen on {host}:{port} ({err.strerror}): "
+                               f"is {host} an address of this machine? fix "
+                               f"nodes[{party_id!r}]") from None
+
+
+def hello_key(config: NodeConfig) -> bytes:
+    """The key of the fronts' hello: SHA-256 of the node config's public identity (id, nodes
+    in rank order, runtime config). Every party of the same config has it; a process that is
+    not one of this config's fronts cannot answer the hello (front.hello_answer)."""
+    import hashlib
+    public = {"id": config.id, "parties": [list(p) for p in config.parties],
+              "runtime": config.mpc.runtime_json()}
+    return hashlib.sha256(json.dumps(public, sort_keys=True).encode()).digest()
+
+
+# A frame's body is one chunk of at most the link's http_max_payload_size (1 MiB in SPU
+# 0.9.5's Desc) plus its key and protobuf framing.
+FRAME_SLACK_BYTES = 64 << 10
+MESSAGE_SLACK_BYTES = 1 << 20
+
+
+def message_cap_bytes(config: NodeConfig, prompt_len: int | None = None) -> int:
+    """The most bytes one message of this job may declare (front.py refuses larger ones).
+
+        cap = 1 MiB + b * max(largest weight, T*V, 4 * max(H*T*(T+N), T*F, V))
+
+    b = field bytes x shares per party (ABY3 FM64: 16), T = the prompt length (job.seq_len
+    until the prompt owner announces it), N = max_new_tokens. The largest weight (the model
+    owner's share of it is one typed message) and the prompt's secret one-hot rows [T, V]
+    (one message from the prompt owner) are sent whole; inside a program the largest value
+    (prefill attention scores of one layer over the heads [H, T, T+N], its MLP activations
+    [T, F], the logits [V]) x4 for kernels that send more than one ring element per value
+    (bit-decomposed comparisons, OT-based conversions); 1 MiB for the typed header. A bound
+    from the job's shapes, not the exact largest message of the compiled programs."""
+    import jax
+    from models import registry
+    from models.model import Model
+    from mpcache_jax.distributed.config import FIELD_BYTES, SHARES_PER_PARTY
+    job = config.job
+    cfg = registry.get_config(job.model, num_layers=job.num_layers)
+    largest_weight = max(int(math.prod(leaf.shape)) for leaf in
+                         jax.tree_util.tree_leaves(Model(cfg).param_shapes()))
+    T = job.seq_len if prompt_len is None else prompt_len
+    N = job.max_new_tokens
+    b = FIELD_BYTES.get(config.mpc.field, 8) * SHARES_PER_PARTY.get(config.mpc.protocol, 2)
+    values = max(largest_weight, T * cfg.vocab_size,
+                 4 * max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size,
+                         cfg.vocab_size))
+    return MESSAGE_SLACK_BYTES + b * values
+
+
+def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
+    """This party's front.FrontSpec from the config."""
+    from mpcache_jax.distributed.front import FrontSpec
+    host, _, port = config.address(party_id).rpartition(":")
+    tls = config.link.tls
+    cap = message_cap_bytes(config)
+    shape = config.link.shape
+    import spu.libspu.link as _link
+    frame = int(_link.Desc().http_max_payload_size) + FRAME_SLACK_BYTES
+    return FrontSpec(
+        party=party_id, rank=config.rank(party_id), listen_host=host, listen_port=int(port),
+        link_id=f"{config.id}.{LINK_ID}",
+        peers={pid: {"rank": config.rank(pid), "host": addr.rpartition(":")[0],
+                     "address": addr} for pid, addr in config.parties if pid != party_id},
+        hello_key=hello_key(config).hex(), max_frame_bytes=frame, max_message_bytes=cap,
+        max_buffered_bytes=2 * cap, events_path=str(events_path),
+        tls=None if tls is None else {"ca": tls.ca, "cert": tls.certs[party_id].cert,
+                                      "key": tls.certs[party_id].key,
+                                      "verify_depth": tls.verify_depth},
+        delay_s=shape.delay_ms / 1000 if shape else 0.0,
+        rate_bytes_s=shape.rate_mb_s * 1e6 if shape and shape.rate_mb_s else None)
+
+
+def front_events_path(output_dir, party_id: str) -> pathlib.Path:
+    return pathlib.Path(output_dir) / f"front_{node_tag(party_id)}.jsonl"
+
+
+def start_front(config: NodeConfig, party_id: str, output_dir) -> FrontHandle:
+    """Start this party's front (a child process that dies with this one) and wait until it
+    listens -> FrontHandle. Raises AddressInUse when the public port is taken."""
+    import subprocess
+    from mpcache_jax.distributed import front as front_mod
+    from mpcache_jax.distributed.launch import child_env
+    events = front_events_path(output_dir, party_id)
+    events.write_text("")
+    spec = front_spec(config, party_id, events)
+    proc = subprocess.Popen([sys.executable, front_mod.__file__, spec.to_json()],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env())
+    line = proc.stdout.readline().decode(errors="replace").strip()
+    try:
+        answer = json.loads(line) if line else {"error": "the front exited before listening",
+                                                "kind": "front"}
+    except json.JSONDecodeError:
+        answer = {"error": f"the front said {line[:200]!r}", "kind": "front"}
+    if not answer.get("ready"):
+        proc.kill()
+        proc.wait()
+        address = config.address(party_id)
+        if answer.get("kind") == "address in use":
+            raise AddressInUse(f"address in use: {party_id}'s link port {address} is taken by "
+                               "another process; stop it or give "
+                               f"nodes[{party_id!r}] another port")
+        raise RuntimeError(f"{party_id}'s front could not listen on {address}: "
+                           f"{answer.get('error')}")
+    return FrontHandle(proc, int(answer["backend_port"]),
+                       {k: int(v) for k, v in answer.get("outbound", {}).items()}, events)
+
+
+def front_events(path: pathlib.Path, since: int = 0) -> tuple[list[dict], int]:
+    """The front's JSON event lines after byte offset `since` -> (events, new offset)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(since)
+            data = f.read()
+    except OSError:
+        return [], since
+    end = data.rfind(b"\n") + 1
+    events = []
+    for line in data[:end].splitlines():
+        try:
+            event = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events, since + end
 
 
 def failing_peer(config: NodeConfig, my_rank: int, err: BaseException) -> str | None:
@@ -110,7 +303,8 @@ def failing_peer(config: NodeConfig, my_rank: int, err: BaseException) -> str | 
 # TLS_REFUSED (the peer aborted the handshake: it does not accept this party's certificate, or
 # does not speak TLS), UNTRUSTED (the peer's certificate does not chain to link.tls.ca),
 # IMPOSTOR (a CA-signed certificate for another node, by the identity rule in config.py).
-ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
+# FOREIGN: something answers on the peer's port, but not the hello of this config's front.
+ALIVE, REFUSED, SILENT, FOREIGN = "alive", "refused", "silent", "foreign"
 TLS_REFUSED, UNTRUSTED, IMPOSTOR = "tls-refused", "untrusted", "impostor"
 DOWN = (REFUSED, SILENT)
 TLS_FAULTS = (TLS_REFUSED, UNTRUSTED, IMPOSTOR)
@@ -137,14 +331,16 @@ def _tls_context(config: NodeConfig, party_id: str):
 
 
 def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) -> Probe:
-    """Is `peer`'s link endpoint up, and (under TLS) is it `peer`?
+    """Is `peer`'s link endpoint up, and is it `peer`'s front?
 
     Connects to the endpoint; under TLS completes a handshake with this party's own
     certificate and the config's CA and checks the peer's certificate by the identity rule
-    (config.identity_mismatch); then sends an HTTP request. Any answer (even brpc's 404)
-    proves the peer's process is running."""
+    (config.identity_mismatch); then sends the fronts' hello (a fresh nonce) and checks the
+    answer is `peer`'s (front.check_hello_reply, keyed by the config's hash). Anything else
+    that answers (a web server, another program, another config's party) is FOREIGN."""
     import socket
     import ssl
+    from mpcache_jax.distributed import front as front_mod
     host, _, port = config.address(peer).rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -161,8 +357,22 @@ def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) 
             if why:
                 return Probe(IMPOSTOR, why)
             stage = "first read"
-        sock.sendall(f"GET /probe HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-        return Probe(ALIVE) if sock.recv(16) else Probe(REFUSED)
+        nonce = os.urandom(front_mod.HELLO_NONCE_BYTES)
+        sock.sendall(front_mod.hello_request(nonce))
+        reply = b""
+        want = len(front_mod.HELLO_MAGIC) + 32
+        while len(reply) < want:
+            got = sock.recv(want - len(reply))
+            if not got:
+                break
+            reply += got
+        if front_mod.check_hello_reply(reply, hello_key(config), nonce, peer):
+            return Probe(ALIVE)
+        if not reply and stage == "first read":
+            return _closed_after_handshake()
+        if not reply:
+            return Probe(REFUSED)     # closed without a word: going away
+        return Probe(FOREIGN, f"it answered the project's hello with {reply[:24]!r}")
     except ssl.SSLCertVerificationError as err:
         return Probe(UNTRUSTED, f"its certificate does not verify against link.tls.ca="
                                 f"{config.link.tls.ca} ({err.verify_message})")
@@ -173,11 +383,18 @@ def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) 
                                   "not accept this party's certificate (another CA?), does not "
                                   "speak TLS, or stopped during the handshake")
     except ConnectionError:
-        return Probe(REFUSED)
+        return _closed_after_handshake() if stage == "first read" else Probe(REFUSED)
     except OSError:
         return Probe(SILENT)
     finally:
         sock.close()
+
+
+def _closed_after_handshake() -> Probe:
+    # TLS 1.3: the client's side of the handshake completes before the server has checked
+    # the client's certificate; a front that refuses it closes the connection.
+    return Probe(TLS_REFUSED, "it closed the connection at the end of the TLS handshake: it "
+                              "does not accept this party's certificate (another CA?)")
 
 
 def probe_peers(config: NodeConfig, party_id: str) -> dict[str, Probe]:
@@ -208,7 +425,38 @@ def tls_fault_message(config: NodeConfig, peer: str, result: Probe) -> str:
     return f"party {peer} at {address} refused the TLS handshake: {result.detail}"
 
 
-def blame(config: NodeConfig, party_id: str, suspect: str | None) -> tuple[str | None, str]:
+def foreign_message(config: NodeConfig, peer: str, result: Probe) -> str:
+    """The error for a FOREIGN probe of `peer`: its port answers, but not as its front."""
+    host, _, port = config.address(peer).rpartition(":")
+    return (f"party {peer} never came up: port {port} on host {host} answers but is not "
+            f"{peer} ({result.detail}); another program holds that port, or nodes[{peer!r}] "
+            "names the wrong address")
+
+
+def front_offences(config: NodeConfig, events_path: pathlib.Path | None,
+                   authenticated_only: bool) -> list[dict]:
+    """The front's dropped frames / refused connections attributed to a peer node (under TLS
+    the node is the client certificate's; in plain TCP the rank a frame claimed)."""
+    if events_path is None:
+        return []
+    events, _ = front_events(events_path)
+    if authenticated_only and config.link.tls is None:
+        return []
+    # Dropped frames only: a refused server or client certificate is named by the probes'
+    # identity check (tls_fault_message), with both names.
+    return [e for e in events if e.get("node") in config.party_ids
+            and str(e.get("kind", "")).startswith("dropped")]
+
+
+def offence_message(config: NodeConfig, event: dict) -> str:
+    how = ("" if config.link.tls is not None
+           else " (plain TCP: the rank it claimed, not proven)")
+    return (f"party {event['node']}{how} sent bytes this party's front refused: "
+            f"{event['why']}; the front {event['kind']} ({event['address']})")
+
+
+def blame(config: NodeConfig, party_id: str, suspect: str | None,
+          events_path: pathlib.Path | None = None) -> tuple[str | None, str]:
     """The failed party and why, from the peer a link error points at and a probe of all
     peers: a peer that is gone, silent or fails TLS is the cause even when the error points
     elsewhere (a live peer that stopped sending was itself waiting on the failed one)."""
@@ -218,6 +466,15 @@ def blame(config: NodeConfig, party_id: str, suspect: str | None) -> tuple[str |
         culprit = suspect if suspect in tls_bad else tls_bad[0]
         return culprit, (f"{tls_fault_message(config, culprit, states[culprit])} "
                          f"[probe: {_summary(states)}]")
+    foreign = [p for p in config.party_ids if states.get(p, Probe(ALIVE)).state == FOREIGN]
+    if foreign:
+        culprit = suspect if suspect in foreign else foreign[0]
+        return culprit, (f"{foreign_message(config, culprit, states[culprit])} "
+                         f"[probe: {_summary(states)}]")
+    offences = front_offences(config, events_path, authenticated_only=False)
+    if offences:
+        last = offences[-1]
+        return last["node"], f"{offence_message(config, last)} [probe: {_summary(states)}]"
     down = [p for p in config.party_ids if states.get(p, Probe(ALIVE)).state in DOWN]
     if down:
         culprit = suspect if suspect in down else down[0]
@@ -231,12 +488,13 @@ def blame(config: NodeConfig, party_id: str, suspect: str | None) -> tuple[str |
 
 
 def explain_link_error(config: NodeConfig, party_id: str, stage: str,
-                       err: BaseException) -> PartyFailure:
+                       err: BaseException, events_path: pathlib.Path | None = None
+                       ) -> PartyFailure:
     """A PartyFailure naming the party a link error is due to (see `blame`)."""
     peer = failing_peer(config, config.rank(party_id), err)
     first = str(err).strip().splitlines()
     detail = " ".join(line.strip() for line in first[:2])[:300]
-    culprit, why = blame(config, party_id, peer)
+    culprit, why = blame(config, party_id, peer, events_path)
     if stage == "link setup" and culprit is not None and culprit == peer and "answers" in why:
         why = (f"party {peer} could not be reached at {config.address(peer)} within "
                f"link.recv_timeout_s={config.link.recv_timeout_s:g} s: is it running, is "
@@ -254,6 +512,9 @@ def verify_peers(config: NodeConfig, party_id: str) -> None:
             raise PartyFailure(peer, f"{tls_fault_message(config, peer, result)} "
                                      f"[during link setup; probe: {_summary(states)}]")
     for peer, result in states.items():
+        if result.state == FOREIGN:
+            raise PartyFailure(peer, f"{foreign_message(config, peer, result)} "
+                                     f"[during link setup; probe: {_summary(states)}]")
         if result.state != ALIVE:
             raise PartyFailure(peer, f"party {peer} {_DOWN_WORDS[result.state]} right after "
                                      f"link-up [probe: {_summary(states)}]")
@@ -262,15 +523,18 @@ def verify_peers(config: NodeConfig, party_id: str) -> None:
 class Channel:
     """Byte messages between parties over the brpc link; errors name the failing peer."""
 
-    def __init__(self, config: NodeConfig, party_id: str, ctx):
+    def __init__(self, config: NodeConfig, party_id: str, ctx,
+                 events_path: pathlib.Path | None = None):
         self.config, self.party_id, self.ctx = config, party_id, ctx
         self.rank = config.rank(party_id)
+        self.events_path = events_path
 
     def _guard(self, stage: str, fn, *args):
         try:
             return fn(*args)
         except RuntimeError as err:
-            raise explain_link_error(self.config, self.party_id, stage, err) from None
+            raise explain_link_error(self.config, self.party_id, stage, err,
+                                     self.events_path) from None
 
     def send(self, peer: str, payload: bytes, stage: str) -> None:
         self._guard(stage, self.ctx.send, self.config.rank(peer), payload)
@@ -283,29 +547,36 @@ class Channel:
         return [g.decode() if isinstance(g, bytes) else g for g in got]
 
 
-def connect(config: NodeConfig, party_id: str) -> Channel:
-    """The brpc link to every peer (blocks until all are connected; the Watchdog bounds the
-    wait by link.connect_timeout_s)."""
+def connect(config: NodeConfig, party_id: str, front: FrontHandle | None = None) -> Channel:
+    """The brpc link to every peer, behind this party's `front` (blocks until all are
+    connected; the Watchdog bounds the wait by link.connect_timeout_s)."""
     from spu import link
     try:
-        ctx = link.create_brpc(link_desc(config, party_id, "run", config.link.recv_timeout_s),
-                               config.rank(party_id))
+        ctx = link.create_brpc(link_desc(config, party_id, LINK_ID, config.link.recv_timeout_s,
+                                         front), config.rank(party_id))
     except RuntimeError as err:
-        raise explain_link_error(config, party_id, "link setup", err) from None
-    return Channel(config, party_id, ctx)
+        raise explain_link_error(config, party_id, "link setup", err,
+                                 front and front.events_path) from None
+    return Channel(config, party_id, ctx, front and front.events_path)
 
 
 class Watchdog:
     """Probes every peer once a second from a daemon thread, from this party's start-up to the
     end of the run, and ends the party (exit 3, one `error:` line naming the peer):
 
-    - from `begin_link()` on (this party's own endpoint is up), a TLS fault of a peer: another
+    - from start-up on (this party's front serves its endpoint), a TLS fault of a peer: another
       node's certificate, an untrusted certificate, a refused handshake. The party then keeps
       its endpoint up for TLS_LINGER_S before leaving, so the faulty peer can observe the
       refusal too and name this party, instead of finding it gone;
     - from `begin_link()` on, a peer not seen up within `link.connect_timeout_s` ("never came
       up");
-    - a peer seen up that then stays down (refused or silent) for `link.peer_timeout_s`.
+    - a peer seen up that then stays down (refused or silent) for `link.peer_timeout_s`;
+    - a peer whose port answers, but not the hello of its front (FOREIGN: another program on
+      its port): reported at link.connect_timeout_s as "port P on host H answers but is not
+      node:N" (never as a hang);
+    - under TLS, a frame or connection this party's front refused from a peer whose
+      certificate identified it (`front_events_path`): at once, naming that peer (in plain
+      TCP a frame's rank is only a claim: such events are kept for `blame`, the run goes on).
 
     The link alone cannot tell who failed: in a ring protocol every live party is blocked on
     a neighbour, so the first receive timeout often points at a live peer that is itself
@@ -313,9 +584,11 @@ class Watchdog:
 
     TLS_LINGER_S = 3.0
 
-    def __init__(self, config: NodeConfig, party_id: str, interval_s: float = 1.0):
+    def __init__(self, config: NodeConfig, party_id: str, interval_s: float = 1.0,
+                 events_path: pathlib.Path | None = None):
         import threading
         self.config, self.party_id, self.interval_s = config, party_id, interval_s
+        self.events_path = events_path
         self.stage = "start-up"
         self.link_started: float | None = None
         self.seen_up: set[str] = set()
@@ -348,16 +621,36 @@ class Watchdog:
             now = time.monotonic()
             states = probe_peers(self.config, self.party_id)
             linking = self.link_started is not None
+            # A peer failing the identity rule is the cause even when this party's front has
+            # already dropped frames from a connection using its (or another's) certificate.
+            for peer, result in states.items():
+                if result.state in TLS_FAULTS:
+                    self._fail(f"{tls_fault_message(self.config, peer, result)} "
+                               f"[probe: {_summary(states)}; during {self.stage}]",
+                               linger_s=self.TLS_LINGER_S)
+            offences = front_offences(self.config, self.events_path, authenticated_only=True)
+            if offences:
+                self._fail(f"{offence_message(self.config, offences[0])} "
+                           f"[during {self.stage}]", linger_s=self.TLS_LINGER_S)
             for peer, result in states.items():
                 where = f"[probe: {_summary(states)}; during {self.stage}]"
+                if result.state == FOREIGN and peer not in self.seen_up:
+                    if linking and now - self.link_started >= link.connect_timeout_s:
+                        self._fail(f"{foreign_message(self.config, peer, result)} (within "
+                                   f"link.connect_timeout_s={link.connect_timeout_s:g} s) "
+                                   f"{where}")
+                    continue
+                if result.state == FOREIGN:
+                    result = Probe(REFUSED)
                 if result.state == ALIVE:
                     self.seen_up.add(peer)
                     down_since.pop(peer, None)
                     continue
                 if result.state in TLS_FAULTS:
-                    if linking:
-                        self._fail(f"{tls_fault_message(self.config, peer, result)} {where}",
-                                   linger_s=self.TLS_LINGER_S)
+                    # This party's front serves its endpoint from start-up on, so a peer that
+                    # fails TLS is named at once (it can see this party's refusal too).
+                    self._fail(f"{tls_fault_message(self.config, peer, result)} {where}",
+                               linger_s=self.TLS_LINGER_S)
                     continue
                 if peer not in self.seen_up:
                     waited = None if not linking else now - self.link_started
@@ -421,9 +714,12 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
         raise ValueError("job.prefill=\"clear\" makes the prompt public (the model owner "
                          "prefills it in plaintext); a --prompt_file is private input: use "
                          "job.prompt_ids or the random prompt, or job.prefill=\"secure\"")
+    # The front door first: a busy own port is an operator's error (AddressInUse, exit 2),
+    # found before anything slow.
+    front = start_front(config, party_id, out)
     # From the first second: TLS faults of any peer end this party at once; peers get
     # link.connect_timeout_s from begin_link() to come up (Watchdog).
-    watchdog = Watchdog(config, party_id).start()
+    watchdog = Watchdog(config, party_id, events_path=front.events_path).start()
     warn_if_insecure(config, party_id)
     parent = os.getppid()
     model, policy = job_lib.build(job)
@@ -438,7 +734,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
     log(party_id, f"linking to {[p for p in config.party_ids if p != party_id]} "
                   f"(link.connect_timeout_s={config.link.connect_timeout_s:g} s)")
     watchdog.begin_link()
-    chan = connect(config, party_id)
+    chan = connect(config, party_id, front)
     verify_peers(config, party_id)   # nothing is sent before every peer proved who it is
     log(party_id, f"link up ({config.world_size} parties, "
                   f"{'TLS, peer identities checked' if config.link.tls else 'plain TCP'})")
@@ -453,10 +749,23 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
         stage("prompt length")
         T = backend.agree(len(prompt_ids) if is_client else None, owner=CLIENT)
         check_prompt_length(config, model, T)
+        front.set_cap(message_cap_bytes(config, prompt_len=T))
         log(party_id, f"weights shared in {t_weights - t_start:.1f} s; prompt of {T} tokens")
+
+        last = [front.stats()]
 
         def on_step(step, token):
             stage(f"{step.phase} at position {step.position}")
+            now = front.stats()
+            if now and last[0]:
+                # What this party's front relayed during the step (one JSON line per step).
+                log(party_id, "front step " + json.dumps({
+                    "phase": step.phase, "position": step.position,
+                    "frames": now["frames"] - last[0]["frames"],
+                    "bytes": now["bytes"] - last[0]["bytes"],
+                    "cpu_s": round(now["cpu_s"] - last[0]["cpu_s"], 4),
+                    "max_message_so_far": now.get("max_message")}))
+            last[0] = now
             if is_client:
                 log(party_id, f"token {token} ({step.phase}, {step.wall_s:.2f} s)")
         stage("compilation")
@@ -474,7 +783,8 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
     except RuntimeError as err:
         if isinstance(err, PartyFailure):
             raise
-        raise explain_link_error(config, party_id, watchdog.stage, err) from None
+        raise explain_link_error(config, party_id, watchdog.stage, err,
+                                 front.events_path) from None
     watchdog.stop()
     if os.getppid() != parent:
         # The supervisor (or launcher) that started this party is gone: nobody is left to

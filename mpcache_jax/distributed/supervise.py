@@ -22,7 +22,7 @@ import time
 from mpcache_jax.distributed.config import NodeConfig, estimate_party_memory
 from mpcache_jax.distributed.launch import Interrupted, child_env, interruptible
 from mpcache_jax.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, blame,
-                                           failing_peer, spu_log_path)
+                                           failing_peer, front_events_path, spu_log_path)
 
 _LINK_ERROR = re.compile(r"\[(error|warning)\]|failed|timeout|Not connected", re.IGNORECASE)
 
@@ -90,7 +90,8 @@ def supervise(config: NodeConfig, party_id: str, output_dir: str, worker_cmd: li
                          "or, for a decode benchmark, set job.prefill=\"clear\"")
         return 1
     log_path = spu_log_path(output_dir, party_id)
-    culprit, why = blame(config, party_id, blame_from_log(config, party_id, log_path))
+    culprit, why = blame(config, party_id, blame_from_log(config, party_id, log_path),
+                         front_events_path(output_dir, party_id))
     report(party_id, f"{why}; the link layer ended this party's worker (status {code}, "
                      f"see {log_path})")
     return EXIT_PEER

@@ -1,0 +1,779 @@
+"""The front door of a party: the only socket of a party that a peer can reach.
+
+Every party's public link port ("nodes" in the node config) is served by this front, a small
+asyncio TCP relay owned by the project; SPU's brpc server listens on 127.0.0.1 behind it.
+For each incoming connection the front
+
+1. under TLS, terminates mutual TLS: the client certificate must chain to `link.tls.ca`,
+   have CN = a node id of the config (not this party's) and a subjectAltName for that node's
+   host (the identity rule of config.py). The connection is bound to that node;
+2. reads its first 4 bytes: b"PRPC" starts a brpc (baidu_std) stream, b"MPCH" the project's
+   hello (`hello_answer`, what liveness probes check), anything else is refused and closed;
+3. reads every brpc frame header before forwarding anything of it. A frame is
+
+       b"PRPC" | body_size u32 BE | meta_size u32 BE | RpcMeta (meta_size bytes) | payload
+
+   where the payload is yacl's PushRequest protobuf: 1 sender_rank (varint), 2 key (bytes,
+   "<link id>...:<src>-><dst>\\x01\\x02<seq>" or "connect_<src>\\x01\\x02<seq>"), 3 value,
+   4 trans_type (1 = chunked), 5 chunk_info {1 message_length, 2 chunk_offset}. The frame is
+   dropped and the connection closed, with a log line naming the peer, when: its body exceeds
+   `max_frame_bytes` (yacl splits messages into chunks of the link's
+   http_max_payload_size, 1 MiB); its meta is not a plain `ReceiverService.Push` request;
+   a declared message length exceeds `max_message_bytes` (the largest message the job's
+   programs receive, `party.message_cap_bytes`); a chunk does not fit its message
+   (offset + chunk > length) or restates another length; the sender rank is not the node the
+   connection is bound to (under TLS: its certificate; in plain TCP: its first frame), or
+   is this party, or the key's `src->dst` is not `bound rank -> this party`; the unfinished
+   chunked messages of one peer would hold more than `max_buffered_bytes`.
+
+Frames are relayed whole (store and forward, at most one frame of `max_frame_bytes` buffered
+per connection), so nothing that fails a check reaches brpc. Under TLS a party's outgoing brpc
+connections also go through this process: brpc connects in plain TCP to a local port per
+peer (`outbound`), the front opens the TLS connection to the peer's front with this party's
+certificate and checks the peer's certificate by the identity rule before relaying a byte.
+
+Events (a refused connection, a dropped frame) are printed as one `[party X] front: ...`
+line each on stderr and appended as JSON lines to `events_path`, which the party's worker
+and supervisor read to name the peer when the run then fails.
+
+Runs as its own process (`python front.py SPEC_JSON`, stdlib only: nothing here imports the
+rest of the project), started by the party's worker (`party.start_front`); on start-up it
+prints one JSON line {"ready": true, "backend_port": P, "outbound": {node: port}} or
+{"error": "...", "kind": "address in use" | ...} and exits 2. Reads "cap N" lines on stdin
+(a new `max_message_bytes` once the prompt length is public) and "stats" lines (answers one
+JSON line: frames and bytes relayed to brpc, this process's CPU seconds). Never deserializes anything a
+peer sent into objects: it reads integers and byte strings with bounds checks.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import hashlib
+import hmac
+import ipaddress
+import json
+import re
+import socket
+import ssl
+import struct
+import sys
+import time
+from typing import Any
+
+BRPC_MAGIC = b"PRPC"
+HELLO_MAGIC = b"MPCH"
+HELLO_NONCE_BYTES = 16
+HEADER = struct.Struct(">4sII")
+PUSH_SERVICE = b"org.interconnection.link.ReceiverService"
+PUSH_METHOD = b"Push"
+# RpcMeta field 1 (request) = {1: service, 2: method} exactly as brpc encodes a Push.
+PUSH_META_PREFIX = (b"\x0a" + bytes([len(PUSH_SERVICE) + len(PUSH_METHOD) + 4]) + b"\x0a"
+                    + bytes([len(PUSH_SERVICE)]) + PUSH_SERVICE + b"\x12"
+                    + bytes([len(PUSH_METHOD)]) + PUSH_METHOD)
+# The most a meta (RpcMeta) or a key may take; brpc's are ~60 bytes, yacl's keys ~30.
+MAX_META_BYTES = 4096
+MAX_KEY_BYTES = 512
+SEQ_SEPARATOR = b"\x01\x02"
+# Per-connection socket buffers of the relay (flow control: reading pauses above this).
+HIGH_WATER_BYTES = 4 << 20
+
+
+class FrameError(ValueError):
+    """A peer's bytes broke the front's rules; the message says which and how."""
+
+
+# ----- protobuf reading (integers and byte strings only) -------------------------------------
+
+def read_varint(buf, i: int, end: int) -> tuple[int, int]:
+    """A base-128 varint at buf[i:end] -> (value, next index); at most 10 bytes."""
+    value = shift = 0
+    for k in range(10):
+        if i >= end:
+            raise FrameError("a protobuf varint runs past its field")
+        byte = buf[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i
+        shift += 7
+    raise FrameError("a protobuf varint is longer than 10 bytes")
+
+
+def read_fields(buf, start: int, end: int) -> dict[int, list]:
+    """The fields of one protobuf message in buf[start:end] -> {number: [value, ...]}: varints
+    as int, length-delimited as (offset, length) into buf, fixed 32/64-bit as int."""
+    fields: dict[int, list] = {}
+    i = start
+    while i < end:
+        key, i = read_varint(buf, i, end)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            value, i = read_varint(buf, i, end)
+        elif wire_type == 2:
+            n, i = read_varint(buf, i, end)
+            if n > end - i:
+                raise FrameError(f"protobuf field {number} declares {n} bytes, {end - i} remain")
+            value, i = (i, n), i + n
+        elif wire_type in (1, 5):
+            n = 8 if wire_type == 1 else 4
+            if n > end - i:
+                raise FrameError(f"protobuf field {number} is cut short")
+            value, i = int.from_bytes(bytes(buf[i:i + n]), "little"), i + n
+        else:
+            raise FrameError(f"protobuf field {number} has wire type {wire_type}")
+        fields.setdefault(number, []).append(value)
+    return fields
+
+
+def _one(fields: dict, number: int, default=None):
+    values = fields.get(number)
+    return values[-1] if values else default
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+    """The parts of one brpc frame carrying a yacl Push that the front checks."""
+
+    frame_bytes: int           # the whole frame, header included
+    sender_rank: int
+    key: bytes                 # without the "\x01\x02<seq>" suffix
+    chunk_bytes: int           # this frame's value
+    message_length: int | None  # chunked: the whole message's declared length
+    chunk_offset: int | None
+
+
+def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
+    """The brpc frame starting at buf[at] -> Push, or None if more bytes are needed. Raises
+    FrameError for anything that is not a plain ReceiverService.Push request within bounds;
+    the header is checked before the body has arrived."""
+    have = len(buf) - at
+    if have < HEADER.size:
+        if bytes(buf[at:at + 4]) != BRPC_MAGIC[:min(have, 4)]:
+            raise FrameError(f"bytes that are not a brpc frame (starts "
+                             f"{bytes(buf[at:at + 4])!r})")
+        return None
+    magic, body, meta = HEADER.unpack_from(buf, at)
+    if magic != BRPC_MAGIC:
+        raise FrameError(f"bytes that are not a brpc frame (starts {magic!r})")
+    if body > max_frame_bytes:
+        raise FrameError(f"a frame of {body:,} bytes (the link sends at most {max_frame_bytes:,})")
+    if meta > min(body, MAX_META_BYTES):
+        raise FrameError(f"a frame whose meta of {meta:,} bytes does not fit (body {body:,}, "
+                         f"at most {MAX_META_BYTES})")
+    if have < HEADER.size + body:
+        return None
+    start, meta_end, end = at + HEADER.size, at + HEADER.size + meta, at + HEADER.size + body
+    if buf[start:start + len(PUSH_META_PREFIX)] == PUSH_META_PREFIX:
+        # The request part as brpc writes it for yacl's Push (every frame of a run).
+        rpc = read_fields(buf, start + len(PUSH_META_PREFIX), meta_end)
+    else:
+        rpc = read_fields(buf, start, meta_end)
+        request = _one(rpc, 1)
+        if request is None or not isinstance(request, tuple):
+            raise FrameError("a brpc frame that is not a request")
+        req = read_fields(buf, request[0], request[0] + request[1])
+        service, method = _one(req, 1), _one(req, 2)
+        if (not isinstance(service, tuple)
+                or bytes(buf[service[0]:sum(service)]) != PUSH_SERVICE
+                or not isinstance(method, tuple)
+                or bytes(buf[method[0]:sum(method)]) != PUSH_METHOD):
+            raise FrameError("a brpc request for another service than ReceiverService.Push")
+    if _one(rpc, 3, 0) != 0 or _one(rpc, 5, 0) != 0:
+        raise FrameError("a compressed brpc frame or one with an attachment")
+    push = read_fields(buf, meta_end, end)
+    rank = _one(push, 1, 0)
+    key = _one(push, 2)
+    if not isinstance(rank, int) or not isinstance(key, tuple) or key[1] > MAX_KEY_BYTES:
+        raise FrameError("a Push without a sender rank or with a key over "
+                         f"{MAX_KEY_BYTES} bytes")
+    key_bytes = bytes(buf[key[0]:sum(key)]).split(SEQ_SEPARATOR, 1)[0]
+    value = _one(push, 3, (0, 0))
+    chunk_bytes = value[1] if isinstance(value, tuple) else 0
+    length = offset = None
+    if _one(push, 4, 0) == 1:
+        info = _one(push, 5)
+        if not isinstance(info, tuple):
+            raise FrameError("a chunked Push without chunk info")
+        chunk = read_fields(buf, info[0], info[0] + info[1])
+        length, offset = _one(chunk, 1, 0), _one(chunk, 2, 0)
+        if not isinstance(length, int) or not isinstance(offset, int):
+            raise FrameError("a chunked Push whose chunk info is not two integers")
+    return Push(HEADER.size + body, rank, key_bytes, chunk_bytes, length, offset)
+
+
+# ----- the checks of one peer ---------------------------------------------------------------
+
+@dataclasses.dataclass
+class PeerLedger:
+    """What one peer node has in flight: unfinished chunked messages {key: [length, got]}."""
+
+    unfinished: dict[bytes, list[int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def buffered(self) -> int:
+        return sum(length for length, _ in self.unfinished.values())
+
+
+# MPCACHE_FRONT_DEBUG_KEYS=1: print each new shape of key seen (digits as N), once.
+import os as _os
+DEBUG_KEYS: set = {b""} if _os.environ.get("MPCACHE_FRONT_DEBUG_KEYS") else set()
+CONTROL_KEYS = (b"ACK", b"FIN")
+KEY_RANKS = re.compile(rb":(\d{1,4})->(\d{1,4})$")
+CONNECT_KEY = re.compile(rb"connect_(\d{1,4})$")
+
+
+def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
+               max_message_bytes: int, max_buffered_bytes: int, ledger: PeerLedger) -> None:
+    """The rules of the module docstring for one parsed frame from the peer of `bound_rank`;
+    updates `ledger`. Raises FrameError."""
+    if push.sender_rank != bound_rank:
+        raise FrameError(f"a Push claiming sender rank {push.sender_rank} on a connection of "
+                         f"rank {bound_rank}")
+    m = CONNECT_KEY.fullmatch(push.key)
+    if m:
+        src, dst = int(m.group(1)), my_rank
+    elif push.key in CONTROL_KEYS:
+        src, dst = bound_rank, my_rank     # yacl's acknowledgements / end of stream
+    else:
+        if not (push.key.startswith(link_id) and push.key[len(link_id):len(link_id) + 1]
+                in (b":", b"-")):
+            raise FrameError(f"a Push under the key {push.key[:80]!r}, not a key of this run's "
+                             f"link {link_id.decode()!r}")
+        m = KEY_RANKS.search(push.key)
+        # Point-to-point keys end in ":<src>-><dst>"; collectives' ("<id>:<n>:ALLGATHER")
+        # name no ranks.
+        src, dst = (int(m.group(1)), int(m.group(2))) if m else (bound_rank, my_rank)
+    if DEBUG_KEYS:
+        shape = re.sub(rb"\d+", b"N", push.key)
+        if shape not in DEBUG_KEYS:
+            DEBUG_KEYS.add(shape)
+            print(f"front: key shape {shape!r}", file=sys.stderr, flush=True)
+    if (src, dst) != (bound_rank, my_rank):
+        raise FrameError(f"a Push under the key {push.key[:80]!r} ({src}->{dst}) on a "
+                         f"connection from rank {bound_rank} to this party (rank {my_rank})")
+    if push.message_length is None:
+        if push.chunk_bytes > max_message_bytes:
+            raise FrameError(f"a message of {push.chunk_bytes:,} bytes, over the cap of "
+                             f"{max_message_bytes:,} (the largest the job's programs receive)")
+        return
+    length, offset = push.message_length, push.chunk_offset
+    if length > max_message_bytes:
+        raise FrameError(f"a chunked message declaring {length:,} bytes, over the cap of "
+                         f"{max_message_bytes:,} (the largest the job's programs receive)")
+    if offset > length or push.chunk_bytes > length - offset:
+        raise FrameError(f"a chunk at offset {offset:,} of {push.chunk_bytes:,} bytes that "
+                         f"does not fit its message of {length:,} bytes")
+    entry = ledger.unfinished.get(push.key)
+    if entry is None:
+        if ledger.buffered + length > max_buffered_bytes:
+            raise FrameError(f"unfinished messages of {ledger.buffered + length:,} bytes in "
+                             f"flight, over the per-peer cap of {max_buffered_bytes:,}")
+        entry = ledger.unfinished[push.key] = [length, 0]
+    elif entry[0] != length:
+        raise FrameError(f"a chunk restating its message's length as {length:,} "
+                         f"(first {entry[0]:,})")
+    entry[1] += push.chunk_bytes
+    if entry[1] > length:
+        raise FrameError(f"chunks adding up to {entry[1]:,} bytes, over their message's "
+                         f"declared {length:,}")
+    if entry[1] == length:
+        del ledger.unfinished[push.key]
+
+
+# ----- the hello ----------------------------------------------------------------------------
+
+def hello_answer(hello_key: bytes, nonce: bytes, node: str) -> bytes:
+    """What node `node`'s front answers to a hello with `nonce`: HMAC-SHA256 keyed by the hash
+    of the public node config (a protocol check that an unrelated listener cannot pass, not
+    an authentication: every party knows the key; identities come from TLS)."""
+    return hmac.new(hello_key, b"mpcache hello\0" + nonce + node.encode(), hashlib.sha256).digest()
+
+
+def hello_request(nonce: bytes) -> bytes:
+    """b"MPCH <nonce hex>\r\n\r\n": shaped like a request line, so that an unrelated HTTP
+    server answers it (with an error) instead of waiting for more."""
+    return HELLO_MAGIC + b" " + nonce.hex().encode() + b"\r\n\r\n"
+
+
+HELLO_REQUEST_BYTES = len(hello_request(bytes(HELLO_NONCE_BYTES)))
+
+
+def parse_hello(request: bytes) -> bytes | None:
+    """The nonce of a hello request, or None if it is not one."""
+    if len(request) != HELLO_REQUEST_BYTES or not request.startswith(HELLO_MAGIC + b" ") \
+            or not request.endswith(b"\r\n\r\n"):
+        return None
+    try:
+        return bytes.fromhex(request[5:5 + 2 * HELLO_NONCE_BYTES].decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def check_hello_reply(reply: bytes, hello_key: bytes, nonce: bytes, node: str) -> bool:
+    """Is `reply` the answer of node `node`'s front to `hello_request(nonce)`?"""
+    want = HELLO_MAGIC + hello_answer(hello_key, nonce, node)
+    return hmac.compare_digest(reply[:len(want)], want)
+
+
+# ----- the relay ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FrontSpec:
+    """Everything the front process needs, as JSON (no config loading in the front).
+
+    peers: {node id: {"rank": int, "host": str, "address": "host:port"}} of every other party;
+    sizes in bytes; tls: {"ca", "cert", "key", "verify_depth"} paths or None."""
+
+    party: str
+    rank: int
+    listen_host: str
+    listen_port: int
+    link_id: str
+    peers: dict[str, dict[str, Any]]
+    hello_key: str                 # hex
+    max_frame_bytes: int
+    max_message_bytes: int
+    max_buffered_bytes: int
+    events_path: str
+    tls: dict[str, Any] | None = None
+    # Traffic shaping of the frames this party receives (config.ShapeSpec): each waits for
+    # its connection's rate (bytes per second, None = none), then `delay_s`.
+    delay_s: float = 0.0
+    rate_bytes_s: float | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "FrontSpec":
+        return cls(**json.loads(text))
+
+
+def _san_matches(host: str, sans) -> bool:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return any(k == "DNS" and v.lower() == host.lower() for k, v in sans)
+    for k, v in sans:
+        if k == "IP Address":
+            try:
+                if ipaddress.ip_address(v.strip()) == ip:
+                    return True
+            except ValueError:
+                continue
+    return False
+
+
+def certificate_node(cert: dict | None, peers: dict[str, dict]) -> tuple[str | None, str]:
+    """The peer node a client certificate identifies by the identity rule -> (node, '') or
+    (None, why not)."""
+    if not cert:
+        return None, "it presented no certificate"
+    cn = None
+    for rdn in cert.get("subject", ()):
+        for k, v in rdn:
+            if k == "commonName":
+                cn = v
+    sans = tuple((str(k), str(v)) for k, v in cert.get("subjectAltName", ()))
+    if cn not in peers:
+        return None, f"its certificate's CN {cn!r} is not a peer node of the config"
+    if not _san_matches(peers[cn]["host"], sans):
+        return None, (f"its certificate (CN={cn!r}) has no subjectAltName for {cn}'s host "
+                      f"{peers[cn]['host']}")
+    return cn, ""
+
+
+class Front:
+    """The relay's state: spec, per-peer ledgers, the event log."""
+
+    def __init__(self, spec: FrontSpec, backend_port: int):
+        self.spec, self.backend_port = spec, backend_port
+        self.hello_key = bytes.fromhex(spec.hello_key)
+        self.link_id = spec.link_id.encode()
+        self.rank_of = {node: int(p["rank"]) for node, p in spec.peers.items()}
+        self.node_of = {r: n for n, r in self.rank_of.items()}
+        self.ledgers: dict[str, PeerLedger] = {}
+        self.max_message_bytes = spec.max_message_bytes
+        # Relayed so far: frames, bytes, the largest message (declared length) seen.
+        self.stats = {"frames": 0, "bytes": 0, "max_message": 0}
+
+    def event(self, kind: str, peer_address: str, node: str | None, why: str) -> None:
+        who = f"{node} ({peer_address})" if node else peer_address
+        line = f"[party {self.spec.party}] front: {kind} from {who}: {why}"
+        print(line, file=sys.stderr, flush=True)
+        record = {"t": time.time(), "kind": kind, "address": peer_address, "node": node,
+                  "why": why}
+        with open(self.spec.events_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class _Pipe(asyncio.Protocol):
+    """The backend side of one relayed connection: bytes from brpc go back to the client."""
+
+    def __init__(self, client: "_Inbound"):
+        self.client = client
+        self.transport = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+        transport.set_write_buffer_limits(high=HIGH_WATER_BYTES)
+
+    def data_received(self, data):
+        self.client.transport.write(data)
+
+    def connection_lost(self, exc):
+        self.client.transport.close()
+
+    def pause_writing(self):
+        self.client.transport.pause_reading()
+
+    def resume_writing(self):
+        self.client.transport.resume_reading()
+
+
+class _Inbound(asyncio.Protocol):
+    """One connection to the public port: hello or checked brpc frames relayed to brpc."""
+
+    def __init__(self, front: Front):
+        self.front = front
+        self.buf = bytearray()
+        self.mode = None
+        self.node: str | None = None        # the peer node the connection is bound to
+        self.pipe: _Pipe | None = None
+        self.pending: list[bytes] = []
+        self.closed = False
+        self.free_at = 0.0          # shaping: when this connection's rate is free again
+        self.queued = 0             # shaping: bytes waiting for their release time
+
+    def connection_made(self, transport):
+        self.transport = transport
+        transport.set_write_buffer_limits(high=HIGH_WATER_BYTES)
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        self.address = f"{peer[0]}:{peer[1]}"
+        if self.front.spec.tls is not None:
+            node, why = certificate_node(transport.get_extra_info("peercert"),
+                                         self.front.spec.peers)
+            if node is None:
+                self._refuse("refused a TLS client", why)
+                return
+            self.node = node
+
+    def _refuse(self, kind: str, why: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.front.event(kind, self.address, self.node, why)
+        self.transport.abort()
+        if self.pipe is not None and self.pipe.transport is not None:
+            self.pipe.transport.close()
+
+    def data_received(self, data):
+        if self.closed:
+            return
+        if self.mode == "brpc":
+            self._frames(data)
+            return
+        self.buf += data
+        if self.mode is None:
+            if len(self.buf) < 4:
+                if not (BRPC_MAGIC.startswith(bytes(self.buf)) or
+                        HELLO_MAGIC.startswith(bytes(self.buf))):
+                    self._refuse("refused a connection", "its first bytes are neither brpc "
+                                 f"nor the hello ({bytes(self.buf)!r})")
+                return
+            head = bytes(self.buf[:4])
+            if head == HELLO_MAGIC:
+                self.mode = "hello"
+            elif head == BRPC_MAGIC:
+                self.mode = "brpc"
+                asyncio.ensure_future(self._open_backend())
+                data, self.buf = bytes(self.buf), bytearray()
+                self._frames(data)
+                return
+            else:
+                self._refuse("refused a connection", f"its first bytes are neither brpc nor "
+                             f"the hello ({head!r})")
+                return
+        if self.mode == "hello":
+            if len(self.buf) >= HELLO_REQUEST_BYTES:
+                nonce = parse_hello(bytes(self.buf[:HELLO_REQUEST_BYTES]))
+                if nonce is None:
+                    self._refuse("refused a connection", "a malformed hello")
+                    return
+                self.transport.write(HELLO_MAGIC + hello_answer(self.front.hello_key, nonce,
+                                                                self.front.spec.party))
+                self.transport.close()
+                self.closed = True
+            return
+        self._frames()
+
+    def _frames(self, data: bytes) -> None:
+        """Check the whole frames in (what is left of earlier data +) `data`; forward them
+        in one write; keep an incomplete frame's bytes for the next call."""
+        spec, front = self.front.spec, self.front
+        if self.buf:
+            self.buf += data
+            view = self.buf
+        else:
+            view = data
+        at = 0
+        while True:
+            try:
+                push = parse_frame(view, spec.max_frame_bytes, at)
+                if push is None:
+                    break
+                if self.node is None:
+                    # Plain TCP: the first frame binds the connection to a peer's rank.
+                    node = front.node_of.get(push.sender_rank)
+                    if node is None:
+                        raise FrameError(f"a Push claiming sender rank {push.sender_rank}, "
+                                         f"which is not a peer of this party (rank "
+                                         f"{spec.rank}; peers {sorted(front.rank_of.values())})")
+                    self.node = node
+                ledger = front.ledgers.setdefault(self.node, PeerLedger())
+                check_push(push, bound_rank=front.rank_of[self.node], my_rank=spec.rank,
+                           link_id=front.link_id, max_message_bytes=front.max_message_bytes,
+                           max_buffered_bytes=spec.max_buffered_bytes, ledger=ledger)
+            except FrameError as err:
+                self._forward(view, at)     # the whole frames before it were checked
+                self._refuse("dropped a frame and closed the connection", str(err))
+                return
+            at += push.frame_bytes
+            front.stats["frames"] += 1
+            size = push.message_length if push.message_length is not None else push.chunk_bytes
+            if size > front.stats["max_message"]:
+                front.stats["max_message"] = size
+        front.stats["bytes"] += at
+        self._forward(view, at)
+        rest = len(view) - at
+        if view is self.buf:
+            del self.buf[:at]
+        elif rest:
+            self.buf = bytearray(memoryview(data)[at:])
+
+    def _forward(self, view, end: int) -> None:
+        """Send view[:end] (checked frames) to brpc, or keep it until brpc's side is open;
+        with shaping, once the connection's rate has passed it and the delay is over."""
+        if not end:
+            return
+        chunk = view if (end == len(view) and isinstance(view, bytes)) else bytes(view[:end])
+        spec = self.front.spec
+        if spec.delay_s <= 0 and not spec.rate_bytes_s:
+            self._deliver(chunk)
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        start = max(now, self.free_at)
+        self.free_at = start + (len(chunk) / spec.rate_bytes_s if spec.rate_bytes_s else 0.0)
+        self.queued += len(chunk)
+        if self.queued > HIGH_WATER_BYTES:
+            self.transport.pause_reading()      # bounded: the shaper holds at most this much
+        loop.call_at(self.free_at + spec.delay_s, self._release, chunk)
+
+    def _release(self, chunk: bytes) -> None:
+        self.queued -= len(chunk)
+        if not self.closed:
+            self._deliver(chunk)
+            if self.queued <= HIGH_WATER_BYTES // 2:
+                self.transport.resume_reading()
+
+    def _deliver(self, chunk: bytes) -> None:
+        if self.pipe is not None and self.pipe.transport is not None:
+            self.pipe.transport.write(chunk)
+        else:
+            self.pending.append(chunk)
+
+    async def _open_backend(self):
+        loop = asyncio.get_running_loop()
+        try:
+            _, pipe = await loop.create_connection(lambda: _Pipe(self), "127.0.0.1",
+                                                   self.front.backend_port)
+        except OSError:
+            self.transport.close()    # brpc not up yet: the client retries
+            self.closed = True
+            return
+        if self.closed:
+            pipe.transport.close()
+            return
+        self.pipe = pipe
+        for frame in self.pending:
+            pipe.transport.write(frame)
+        self.pending.clear()
+
+    def connection_lost(self, exc):
+        self.closed = True
+        if self.pipe is not None and self.pipe.transport is not None:
+            self.pipe.transport.close()
+
+    def pause_writing(self):
+        if self.pipe is not None and self.pipe.transport is not None:
+            self.pipe.transport.pause_reading()
+
+    def resume_writing(self):
+        if self.pipe is not None and self.pipe.transport is not None:
+            self.pipe.transport.resume_reading()
+
+
+class _Relay(asyncio.Protocol):
+    """A raw relay half: bytes in go to `other` (used by the outbound TLS side)."""
+
+    def __init__(self):
+        self.transport = None
+        self.other: _Relay | None = None
+        self.buffer: list[bytes] = []
+
+    def connection_made(self, transport):
+        self.transport = transport
+        transport.set_write_buffer_limits(high=HIGH_WATER_BYTES)
+
+    def data_received(self, data):
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.write(data)
+        else:
+            self.buffer.append(data)
+
+    def connection_lost(self, exc):
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.close()
+
+    def pause_writing(self):
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.pause_reading()
+
+    def resume_writing(self):
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.resume_reading()
+
+
+def _client_context(tls: dict) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False      # the identity rule is checked on the certificate
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(tls["ca"])
+    ctx.load_cert_chain(tls["cert"], tls["key"])
+    return ctx
+
+
+def _server_context(tls: dict) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(tls["ca"])
+    ctx.load_cert_chain(tls["cert"], tls["key"])
+    return ctx
+
+
+async def _outbound(front: Front, peer: str, local: _Relay, ctx: ssl.SSLContext) -> None:
+    """brpc's plain connection to `peer` -> a TLS connection to the peer's front, relayed
+    once the peer's certificate names `peer` and its host."""
+    loop = asyncio.get_running_loop()
+    info = front.spec.peers[peer]
+    host, _, port = info["address"].rpartition(":")
+    try:
+        transport, remote = await loop.create_connection(_Relay, host, int(port), ssl=ctx)
+    except (OSError, ssl.SSLError):
+        local.transport.close()      # brpc retries; the watchdog names a peer that stays away
+        return
+    cert = transport.get_extra_info("peercert")
+    node, why = certificate_node(cert, {peer: info})
+    if node != peer:
+        front.event("refused the server", info["address"], peer, why or "wrong identity")
+        transport.abort()
+        local.transport.close()
+        return
+    remote.other, local.other = local, remote
+    for data in local.buffer:
+        transport.write(data)
+    local.buffer.clear()
+    if local.transport.is_closing():
+        transport.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+async def serve(spec: FrontSpec, announce=print) -> None:
+    """Bind the public port (and under TLS one local port per peer), announce, serve."""
+    loop = asyncio.get_running_loop()
+    backend_port = free_port()
+    front = Front(spec, backend_port)
+    server_ctx = _server_context(spec.tls) if spec.tls else None
+    try:
+        server = await loop.create_server(lambda: _Inbound(front), spec.listen_host,
+                                          spec.listen_port, ssl=server_ctx,
+                                          reuse_address=True)
+    except OSError as err:
+        kind = "address in use" if err.errno == errno.EADDRINUSE else "cannot listen"
+        announce(json.dumps({"error": f"{spec.listen_host}:{spec.listen_port}: {err.strerror}",
+                             "kind": kind}))
+        raise SystemExit(2)
+    outbound = {}
+    servers = [server]
+    if spec.tls:
+        client_ctx = _client_context(spec.tls)
+        for peer in spec.peers:
+            def factory(peer=peer):
+                relay = _Relay()
+                original = relay.connection_made
+
+                def made(transport, relay=relay):
+                    original(transport)
+                    asyncio.ensure_future(_outbound(front, peer, relay, client_ctx))
+                relay.connection_made = made
+                return relay
+            srv = await loop.create_server(factory, "127.0.0.1", 0)
+            servers.append(srv)
+            outbound[peer] = srv.sockets[0].getsockname()[1]
+    announce(json.dumps({"ready": True, "backend_port": backend_port, "outbound": outbound}))
+
+    async def control():
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while True:
+            line = await reader.readline()
+            if not line:
+                return
+            parts = line.decode(errors="replace").split()
+            if len(parts) == 2 and parts[0] == "cap" and parts[1].isascii() and parts[1].isdigit():
+                front.max_message_bytes = int(parts[1])
+            elif parts == ["stats"]:
+                announce(json.dumps({**front.stats, "cpu_s": round(time.process_time(), 4)}))
+    await control()
+    await asyncio.Event().wait()
+
+
+def _die_with_parent() -> None:
+    """Die (SIGKILL) with the party's worker that started this front (Linux prctl
+    PR_SET_PDEATHSIG; the front must never outlive its party and hold its port)."""
+    import os
+    import signal
+    parent = os.environ.pop("MPCACHE_DIE_WITH_PARENT", None)
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent and os.getppid() != int(parent):
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    spec = FrontSpec.from_json(argv[1])
+    try:
+        import uvloop      # optional: about 2x less CPU per relayed frame than asyncio's loop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        run(serve(spec, announce=lambda line: print(line, flush=True)))
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
