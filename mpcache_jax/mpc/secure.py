@@ -145,8 +145,8 @@ class SecureSession:
         (token None off the client): progress bars, streaming. `on_phase(name)` as a phase
         begins: "compile" (both programs; instant when compiled before), then "prefill" (the
         first step, secure or clear); decode begins when on_step reports the prefill.
-        reveal_logits also opens each
-        step's logits to the client (tests: it reveals more than the tokens).
+        reveal_logits also opens each step's logits to the client (tests: it reveals more
+        than the tokens).
         prefill="clear" (decode benchmarks, not private): see `prefill_in_clear`; every party
         passes the public prompt_ids, and the prefill step is recorded without an MPC cost."""
         if prefill not in PREFILL_MODES:
