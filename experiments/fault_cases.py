@@ -425,7 +425,8 @@ class LauncherSignalCase:
 
 # ----- forged brpc frames (what a hostile peer or any local process can send) -------------------
 
-def _pb_varint(n: int) -> bytes:
+def pb_varint(n: int) -> bytes:
+    """Protobuf base-128 varint (forged frames here and forged messages in tests/test_wire.py)."""
     out = b""
     while True:
         b, n = n & 0x7F, n >> 7
@@ -434,10 +435,11 @@ def _pb_varint(n: int) -> bytes:
             return out
 
 
-def _pb_field(number: int, value) -> bytes:
+def pb_field(number: int, value) -> bytes:
+    """A protobuf field: an int as a varint, bytes length-delimited."""
     if isinstance(value, int):
-        return _pb_varint(number << 3) + _pb_varint(value)
-    return _pb_varint(number << 3 | 2) + _pb_varint(len(value)) + value
+        return pb_varint(number << 3) + pb_varint(value)
+    return pb_varint(number << 3 | 2) + pb_varint(len(value)) + value
 
 
 def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
@@ -448,12 +450,12 @@ def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
     off the wire: see mpcache_jax/distributed/front.py), with any field set to a lie:
     `message_length` makes it a chunk of a message of that length at `chunk_offset`;
     `body_size` overrides the header's body size (the rest is not sent)."""
-    request = _pb_field(1, service) + _pb_field(2, b"Push")
-    meta = _pb_field(1, request) + _pb_field(3, 0) + _pb_field(4, 12345)
-    push = _pb_field(1, sender_rank) + _pb_field(2, key + b"\x01\x020") + _pb_field(3, value)
+    request = pb_field(1, service) + pb_field(2, b"Push")
+    meta = pb_field(1, request) + pb_field(3, 0) + pb_field(4, 12345)
+    push = pb_field(1, sender_rank) + pb_field(2, key + b"\x01\x020") + pb_field(3, value)
     if message_length is not None:
-        push += _pb_field(4, 1) + _pb_field(5, _pb_field(1, message_length)
-                                            + _pb_field(2, chunk_offset))
+        push += pb_field(4, 1) + pb_field(5, pb_field(1, message_length)
+                                            + pb_field(2, chunk_offset))
     body = meta + push
     import struct
     header = struct.pack(">4sII", b"PRPC", len(body) if body_size is None else body_size,

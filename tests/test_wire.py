@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import spu
 
+from experiments.fault_cases import pb_field
 from mpcache_jax.distributed import wire
 from mpcache_jax.distributed.wire import ShareSpec, WireError
 
@@ -54,25 +55,8 @@ def rejected(fn, *args, match: str | None = None) -> WireError:
 
 
 # ----- protobuf helpers to forge messages ----------------------------------------------------
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def field_varint(field: int, value: int) -> bytes:
-    return varint(field << 3) + varint(value)
-
-
-def field_bytes(field: int, value: bytes) -> bytes:
-    return varint(field << 3 | 2) + varint(len(value)) + value
-
-
 def chunk_proto(total: int, offset: int, content: bytes) -> bytes:
-    return field_varint(1, total) + field_varint(2, offset) + field_bytes(3, content)
+    return pb_field(1, total) + pb_field(2, offset) + pb_field(3, content)
 
 
 def share_message(name: str, meta: bytes, chunks: list[bytes]) -> bytes:
@@ -199,11 +183,11 @@ def test_a_meta_with_extra_or_complex_fields_is_rejected():
     spec = ShareSpec.like("v1", real)
     chunks = [bytes(c) for c in real.share_chunks]
     meta = bytes(real.meta)
-    rejected(wire.decode_share, share_message("v1", meta + field_varint(2, 1), chunks), spec,
+    rejected(wire.decode_share, share_message("v1", meta + pb_field(2, 1), chunks), spec,
              SENDER, match="wrong complex flag")
-    rejected(wire.decode_share, share_message("v1", meta + field_varint(9, 1), chunks), spec,
+    rejected(wire.decode_share, share_message("v1", meta + pb_field(9, 1), chunks), spec,
              SENDER, match="unexpected field 9")
-    rejected(wire.decode_share, share_message("v1", meta + field_varint(3, 2), chunks), spec,
+    rejected(wire.decode_share, share_message("v1", meta + pb_field(3, 2), chunks), spec,
              SENDER, match="repeats field 3")
 
 
@@ -240,7 +224,7 @@ def test_forged_chunks_are_rejected_before_spu_copies_them():
         "a chunk past the end": [chunk_proto(n, 8, content)],
         "overlapping chunks": [chunk_proto(n, 0, content[:40]), chunk_proto(n, 32, content[32:])],
         "a lying total size": [chunk_proto(2 * n, 0, content)],
-        "an unknown chunk field": [chunk_proto(n, 0, content) + field_varint(7, 1)],
+        "an unknown chunk field": [chunk_proto(n, 0, content) + pb_field(7, 1)],
         "no chunks": [],
     }
     for case, chunks in cases.items():
