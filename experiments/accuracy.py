@@ -433,10 +433,11 @@ def run(FLAGS) -> None:
                 {"ppl", "continuation"} & set(task_names) else 0)
     fitted = prompt_lengths(lengths, steps, context, FLAGS.model)   # before any work
     for label, budget, policy in policies:
-        if getattr(policy, "reuses", False) and isinstance(budget, int) and budget > max(fitted):
-            raise SystemExit(f"--budgets={budget} tokens: {label}'s working set (refresh_every="
-                             f"{policy.refresh_every}) would exceed the longest prompt "
-                             f"({max(fitted)} tokens); lower the budget or give a ratio")
+        if getattr(policy, "reuses", False):   # a working set no prompt can hold: stop now
+            try:
+                policy.check_prompt(max(fitted))
+            except ValueError as err:
+                raise SystemExit(f"--budgets={budget} for {label}: {err}") from None
     out = common.ensure_dir(FLAGS.output_dir or "results/accuracy")
     settings = record_settings(FLAGS)
     settings_hash = common.config_hash(settings)
