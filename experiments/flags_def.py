@@ -10,6 +10,8 @@ flags.DEFINE_string("weights_path", None, "Hugging Face-format weights directory
 flags.DEFINE_string("cache_dir", None,
                     "Where converted checkpoints live (default $MPCACHE_CACHE_DIR or ~/.cache/mpcache_jax).")
 flags.DEFINE_integer("num_layers", None, "Keep only the first N layers (cost runs on reduced models).")
+flags.DEFINE_list("layers", None, "mpc_cost: keep only these layers, e.g. 4,5,10,11 of "
+                  "gemma3-270m (two local, two global); instead of --num_layers.")
 flags.DEFINE_integer("seed", 0, "Seed for random weights and sampling.")
 # Generation
 flags.DEFINE_string("prompt", "What is the capital of France?", "User message (generate).")
@@ -118,7 +120,7 @@ EXPERIMENT_FLAGS = {
                                 "lengths", "depths", "data_path", "metric", "ppl_target_len",
                                 "buckets", "agree_tokens", "mechanism", "resume",
                                 "policy_chunk", "max_new_tokens"},
-    "mpc_cost": COMMON_FLAGS | {"backend", "policies", "variants", "budgets", "protocol",
+    "mpc_cost": COMMON_FLAGS | {"layers", "backend", "policies", "variants", "budgets", "protocol",
                                 "runtime_config", "seq_lens", "mpc_bench", "topk_method",
                                 "mpc_share_from", "softmax", "no_cache_max_len", "mpc_repeats",
                                 "mpc_decode_steps", "gather_tokens", "gather_clusters", "gather_dim", "topk_rows",

@@ -90,6 +90,7 @@ class CostConfig:
     cache_dir: str | None = None
     seed: int = 0
     num_layers: int | None = None
+    layers: tuple | None = None      # these layers instead of the first num_layers
     activation_impl: str = "exact"
     policies: tuple = (("full", "full", {}),)
     budget: float | int = 0.1
@@ -121,6 +122,9 @@ class CostConfig:
         if self.decode_steps > 1 and self.repeats > 1:
             raise ValueError("--mpc_repeats repeats one decode step; with --mpc_decode_steps="
                              f"{self.decode_steps} every step is measured once: drop one of them")
+        if self.layers is not None and self.num_layers is not None:
+            raise ValueError(f"--layers={','.join(map(str, self.layers))} and --num_layers="
+                             f"{self.num_layers} both pick layers: give one")
         if self.backend not in mpc.BACKENDS:
             raise ValueError(f"--backend={self.backend!r}; use one of {mpc.BACKENDS}")
         for p in self.protocols:   # every protocol before any work
@@ -143,8 +147,13 @@ class CostConfig:
                              f"{','.join(FLAGS.budgets)}")
         fields = {f.name for f in dataclasses.fields(cls)} - {
             "bench", "protocols", "policies", "budget", "share_from", "seq_lens", "topk_sizes",
-            "repeats", "decode_steps"}
-        return cls(bench=FLAGS.mpc_bench,
+            "repeats", "decode_steps", "layers"}
+        try:
+            layers = tuple(int(i) for i in FLAGS.layers) if FLAGS.layers else None
+        except ValueError:
+            raise ValueError(f"--layers={','.join(FLAGS.layers)} must list layer indices, "
+                             f"e.g. --layers=4,5,10,11") from None
+        return cls(layers=layers, bench=FLAGS.mpc_bench,
                    protocols=protocols_of(FLAGS.backend, FLAGS.protocol, FLAGS.runtime_config),
                    policies=tuple(parse_variants(FLAGS)), budget=parse_budget(FLAGS.budgets[0]),
                    share_from=FLAGS.mpc_share_from, repeats=FLAGS.mpc_repeats,
@@ -254,7 +263,7 @@ def build_policy(cfg: CostConfig, name: str, protocol: str, prompt_len: int, num
 @benchmark("decode")
 def bench_decode(cfg: CostConfig, harness: Harness):
     loaded = registry.load(cfg.model, weights_path=cfg.weights_path, cache_dir=cfg.cache_dir,
-                           seed=cfg.seed, num_layers=cfg.num_layers)
+                           seed=cfg.seed, num_layers=cfg.num_layers, layers=cfg.layers)
     full_cfg = loaded.model.cfg.replace(activation_impl=cfg.activation_impl)
     seq_lens = cfg.seq_lens
     # The decoder layers do not depend on the vocabulary: cost them with a 256-token vocabulary
@@ -270,6 +279,7 @@ def bench_decode(cfg: CostConfig, harness: Harness):
     del loaded
     rng = np.random.RandomState(cfg.seed)
     layers = {"num_layers": cfgm.num_layers}
+    picked = {"layers": list(cfg.layers)} if cfg.layers else {}
     new_slots = max(NEW_SLOTS, cfg.decode_steps)
     for protocol, mpc_cfg, backend in harness.backends():
         # LM head + argmax: policy independent, once per protocol.
@@ -298,7 +308,7 @@ def bench_decode(cfg: CostConfig, harness: Harness):
                                                return_queries=True)
             for label, name, options in cfg.policies:
                 policy, budget = build_policy(cfg, name, protocol, T, cfgm.num_kv_heads, options)
-                extra = {"scope": "decoder_layers", "budget": budget,
+                extra = {"scope": "decoder_layers", "budget": budget, **picked,
                          "topk_method": getattr(policy, "topk_method", None),
                          "share_from": getattr(policy, "share_from", None),
                          "softmax": policy.softmax}
@@ -762,7 +772,7 @@ def bench_generate(cfg: CostConfig, harness: Harness):
     from experiments.common import with_model_numerics
     loaded = with_model_numerics(registry.load(
         cfg.model, weights_path=cfg.weights_path, cache_dir=cfg.cache_dir, seed=cfg.seed,
-        num_layers=cfg.num_layers), cfg)
+        num_layers=cfg.num_layers, layers=cfg.layers), cfg)
     tok = loaded.tokenizer
     if tok is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer; secure generation needs one")

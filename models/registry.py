@@ -1,12 +1,12 @@
 """Model registry: `--model=NAME` -> configuration, parameters and (when available) tokenizer."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from models.catalog import (GEMMA3_270M, GPT2, GPT2_TINY, LLAMA2_D1024,  # noqa: F401
                             LLAMA_TINY, MODEL_NAMES, SMOLLM2_135M, LoadedModel, get_config,
                             pick_layers)
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
 from models.model import Model
 
 
@@ -49,8 +49,18 @@ assert tuple(_LOADERS) == MODEL_NAMES, "every registered geometry needs a loader
 
 
 def load(name: str, *, weights_path: str | None = None, cache_dir: str | None = None,
-         seed: int = 0, num_layers: int | None = None) -> LoadedModel:
-    """Configuration + parameters (+ tokenizer) for a registered model name."""
+         seed: int = 0, num_layers: int | None = None,
+         layers: Sequence[int] | None = None) -> LoadedModel:
+    """Configuration + parameters (+ tokenizer) for a registered model name: the first
+    `num_layers` layers, or the layers listed in `layers` (increasing indices, e.g. [4, 5, 10,
+    11] of gemma3-270m: two local and two global layers), or all of them."""
+    if layers is not None and num_layers is not None:
+        raise ConfigError(f"give num_layers={num_layers} or layers={list(layers)}, not both")
+    if layers is not None:
+        if not len(layers):
+            raise ConfigError("layers=[] keeps no layer; list the layer indices to keep")
+        return pick_layers(load(name, weights_path=weights_path, cache_dir=cache_dir, seed=seed),
+                           layers)
     if name == "gpt2" and weights_path:
         cfg = get_config(name)  # the checkpoint's config.json decides depth and width
     else:

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -98,6 +100,24 @@ def test_typed_config_validates_before_any_work():
     with pytest.raises(ValueError, match="working set larger than the prompt's 64 tokens"):
         CostConfig(policies=reuse, budget=100, seq_lens=(64, 256))
     CostConfig(policies=reuse, budget=100, seq_lens=(128, 256))   # fits every length
+    with pytest.raises(ValueError, match="--layers=4,5 and --num_layers=2 both pick layers"):
+        CostConfig(layers=(4, 5), num_layers=2)
+
+
+def test_registry_loads_the_listed_layers_of_a_geometry():
+    from models import registry
+    from models.config import ConfigError
+    whole = registry.load("llama-tiny", seed=3)
+    picked = registry.load("llama-tiny", seed=3, layers=[1, 3])
+    assert picked.model.cfg.num_layers == 2
+    for new, old in ((0, 1), (1, 3)):
+        for a, b in zip(jax.tree_util.tree_leaves(picked.params[f"layers_{new}"]),
+                        jax.tree_util.tree_leaves(whole.params[f"layers_{old}"]), strict=True):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ConfigError, match="not both"):
+        registry.load("llama-tiny", num_layers=2, layers=[0, 1])
+    with pytest.raises(ValueError, match=r"layers=\[3, 1\] must be increasing indices in \[0, 4\)"):
+        registry.load("llama-tiny", layers=[3, 1])
 
 
 def test_repeated_runs_report_the_same_bytes_and_integer_gathers_are_cheaper(tmp_path):
