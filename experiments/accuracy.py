@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from experiments import common, fidelity, natural_tasks, tasks
 from models import model as model_module
-from mpcache_jax.generate import bucket_of, compress_cache
+from runtime.generate import bucket_of, compress_cache
 from mpcache_jax.policies import make_policy
 from models import registry
 

@@ -40,18 +40,18 @@ TINY_JOB = {"model": "llama-tiny", "num_layers": 2, "policy": "mpcache", "budget
             "seq_len": 32, "max_new_tokens": 2, "reveal_logits": False, "timeout_s": 240}
 
 # Preludes run in a party's worker before experiments.party's main (simulated hostile code).
-SKIP_OWN_CERT_CHECK = ("import mpcache_jax.distributed.config as _config\n"
+SKIP_OWN_CERT_CHECK = ("import runtime.distributed.config as _config\n"
                        "_config.check_own_certificate = lambda *a, **k: None\n")
 SEND_PICKLE = """
 import os, pickle
-from mpcache_jax.distributed import wire
+from runtime.distributed import wire
 class _Command:
     def __reduce__(self):
         return (os.system, ("touch {marker}",))
 wire.encode_share = lambda name, share: pickle.dumps(_Command())
 """
 SEND_WRONG_SHAPE = """
-from mpcache_jax.distributed import wire
+from runtime.distributed import wire
 def _v(n):
     out = b""
     while True:
@@ -142,7 +142,7 @@ def start_party(config_path: pathlib.Path, party: str, out: pathlib.Path,
     """One party as `python -m experiments.party` (supervisor + worker), or with `prelude` its
     worker alone running the prelude first (patched code). Own session; output to
     out/party_<tag>.log; dies with this process (launch.child_env)."""
-    from mpcache_jax.distributed.launch import child_env
+    from runtime.distributed.launch import child_env
     args = [f"--node_config={config_path}", f"--party={party}", f"--output_dir={out}"]
     if prelude is None:
         cmd = [sys.executable, "-m", "experiments.party", *args]
@@ -236,7 +236,7 @@ class Context:
 
     @staticmethod
     def ports(n: int) -> list[int]:
-        from mpcache_jax.distributed.launch import free_ports
+        from runtime.distributed.launch import free_ports
         return free_ports(n)
 
 
@@ -254,7 +254,7 @@ class WireCase:
     expected: str = "WireError naming node:0; nothing executed"
 
     def run(self, ctx: Context) -> Observed:
-        from mpcache_jax.distributed.wire import WireError
+        from runtime.distributed.wire import WireError
         folder = ctx.case_dir(self.name)
         decode, marker = self.make(folder)
         start = time.perf_counter()
@@ -447,7 +447,7 @@ def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
                 service: bytes = b"org.interconnection.link.ReceiverService",
                 body_size: int | None = None) -> bytes:
     """A brpc baidu_std frame carrying a yacl Push as SPU 0.9.5's link sends it (fields read
-    off the wire: see mpcache_jax/distributed/front.py), with any field set to a lie:
+    off the wire: see runtime/distributed/front.py), with any field set to a lie:
     `message_length` makes it a chunk of a message of that length at `chunk_offset`;
     `body_size` overrides the header's body size (the rest is not sent)."""
     request = pb_field(1, service) + pb_field(2, b"Push")
@@ -480,7 +480,7 @@ class FrontCase:
 
     def run(self, ctx: Context) -> Observed:
         import socket
-        from mpcache_jax.distributed import front as front_mod
+        from runtime.distributed import front as front_mod
         folder = ctx.case_dir(self.name)
         proc, spec, backend, received = start_test_front(folder, ctx.ports(1)[0], tls=self.tls)
         try:
@@ -529,8 +529,8 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
     backend socket, list of received byte strings)."""
     import socket
     import threading
-    from mpcache_jax.distributed import front as front_mod
-    from mpcache_jax.distributed.launch import child_env
+    from runtime.distributed import front as front_mod
+    from runtime.distributed.launch import child_env
     tls_spec = None
     if tls:
         make_certs(folder / "certs", ["node:0", "node:1", "node:2"])
@@ -590,7 +590,7 @@ def tls_client(address, folder: pathlib.Path, cert_tag: str = "node_0"):
 
 def front_answers_hello(spec, tls_folder: pathlib.Path | None) -> bool:
     import socket
-    from mpcache_jax.distributed import front as front_mod
+    from runtime.distributed import front as front_mod
     address = ("127.0.0.1", spec.listen_port)
     try:
         sock = (tls_client(address, tls_folder) if tls_folder is not None
@@ -691,7 +691,7 @@ def _wire_cases() -> list:
     import numpy as np
     import spu
 
-    from mpcache_jax.distributed import wire
+    from runtime.distributed import wire
 
     def io(protocol="ABY3"):
         cfg = spu.RuntimeConfig(protocol=getattr(spu.ProtocolKind, protocol),

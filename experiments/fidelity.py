@@ -29,7 +29,7 @@ import numpy as np
 
 from experiments import common, metrics
 from mpcache_jax import analysis
-from mpcache_jax.generate import apply_policy
+from runtime.generate import apply_policy
 
 
 @dataclasses.dataclass
@@ -159,7 +159,7 @@ def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_to
                       with_mechanism: bool, bucket: tuple[int, int] | None = None) -> list[dict]:
     """Every (label, budget, policy) on one prefill of `sample` -> one record each.
     bucket: (smallest length, capacity) to pad the prompt to (one compilation per bucket)."""
-    from mpcache_jax.generate import prefill_prompt
+    from runtime.generate import prefill_prompt
     from mpcache_jax.policy import FULL
     model, params, tok = loaded.model, loaded.params, loaded.tokenizer
     forced = sample.metric == "ppl"

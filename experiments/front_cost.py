@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
         shape = json.loads(shape)
     overrides = json.loads(argv[3]) if len(argv) == 4 else {}
     from experiments import fault_cases as fc
-    from mpcache_jax.distributed.launch import free_ports, run_loopback
+    from runtime.distributed.launch import free_ports, run_loopback
     out = pathlib.Path(argv[1])
     job = dict(fc.TINY_JOB, policy="full", policy_options={}, budget=None, max_new_tokens=8,
                seq_len=32)

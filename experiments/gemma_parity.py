@@ -115,7 +115,7 @@ def compare(model, params, reference, prompt: list[int], new_tokens: int,
     continuations and timings."""
     import torch
 
-    from mpcache_jax.generate import decode_tokens
+    from runtime.generate import decode_tokens
     from mpcache_jax.policy import FULL
 
     T = len(prompt)

@@ -107,7 +107,7 @@ def run(FLAGS) -> None:
 
 
 def run_plaintext(FLAGS, loaded, prompt_ids, name, policy) -> None:
-    from mpcache_jax.generate import SamplingConfig, generate
+    from runtime.generate import SamplingConfig, generate
     tok = loaded.tokenizer
     sampling = SamplingConfig(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed)
     start = time.perf_counter()
@@ -129,9 +129,9 @@ def run_plaintext(FLAGS, loaded, prompt_ids, name, policy) -> None:
 def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
     """Private generation in SPU's simulator, checked against the plaintext run."""
     from experiments.mpc_cost import mpc_config
-    from mpcache_jax import mpc
-    from mpcache_jax.distributed.costs import generation_records
-    from mpcache_jax.mpc.costs import cost_fields
+    from runtime import mpc
+    from runtime.distributed.costs import generation_records
+    from runtime.mpc.costs import cost_fields
     if FLAGS.temperature != 0.0:
         raise ValueError("private generation is greedy: drop --temperature (the sampled token "
                          "is the argmax, computed under MPC)")
@@ -238,11 +238,11 @@ def first_divergence(secure_tokens, plain) -> dict:
 def run_nodes(FLAGS, name, budget) -> None:
     """Every party of --node_config as a local process; the prompt reaches the prompt owner's
     process only (a private temporary file)."""
-    from mpcache_jax.distributed import run_loopback
+    from runtime.distributed import run_loopback
     if not FLAGS.node_config:
         raise ValueError("--backend=spu_nodes needs --node_config=FILE (see experiments/nodes/*.json)")
     if FLAGS["protocol"].present:
-        from mpcache_jax.distributed.config import load_node_config
+        from runtime.distributed.config import load_node_config
         configured = load_node_config(FLAGS.node_config).protocol
         if FLAGS.protocol.upper() != configured:
             raise ValueError(f"--protocol={FLAGS.protocol} conflicts with --node_config="

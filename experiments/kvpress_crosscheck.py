@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from experiments import tasks
 from experiments.common import REPO_ROOT, ensure_dir, git_commit, write_jsonl
-from mpcache_jax.generate import apply_policy, decode_tokens, prefill_prompt
+from runtime.generate import apply_policy, decode_tokens, prefill_prompt
 from mpcache_jax.policies import make_policy
 from mpcache_jax.policies.base import causal_attention_mass, window_attention_mass
 from mpcache_jax.policies.h2o import H2O

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import ensure_dir, flag_values, git_commit, write_jsonl
-from mpcache_jax import mpc
+from runtime import mpc
 from mpcache_jax import primitives as P
-from mpcache_jax.generate import apply_policy
+from runtime.generate import apply_policy
 from mpcache_jax.policies import make_policy
 from models import registry
 from models.model import Model

@@ -8,7 +8,7 @@ simulated vs multi-process cost.
 Exit status: 0 success, 2 malformed config, 3 another party failed (named in the message),
 128 + N stopped by signal N (SIGTERM 143, SIGINT 130; every party it started is killed, no
 result), 1 anything else. The party's work runs in a supervised worker process (`--worker`, internal):
-see mpcache_jax/distributed/supervise.py for why.
+see runtime/distributed/supervise.py for why.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ flags.DEFINE_string("job", None, 'JSON overrides of the config\'s "job" (with --
 flags.DEFINE_list("policies", None, "With --party=all: run the job once per policy (default: "
                   "the config's policy).")
 flags.DEFINE_bool("compare_sim", False, "With --party=all: also run each policy in spu_sim and "
-                  "print simulated vs multi-process cost (mpcache_jax/distributed/compare.py).")
+                  "print simulated vs multi-process cost (runtime/distributed/compare.py).")
 flags.DEFINE_string("prompt_file", None, "The prompt owner's private prompt (text; wrapped in "
                     "the model's chat template when job.chat). Default: the job's prompt_ids or "
                     "job.seq_len random ids.")
@@ -41,20 +41,20 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     who = FLAGS.party
     try:
-        from mpcache_jax.distributed.launch import Interrupted, bind_to_parent
+        from runtime.distributed.launch import Interrupted, bind_to_parent
         bind_to_parent()   # started by a launcher or supervisor: never outlive it
-        from mpcache_jax.distributed import (EXIT_CONFIG, EXIT_PEER, JobFailed, NodeConfigError,
-                                             PartyFailure, load_node_config, run_loopback,
-                                             run_party)
-        from mpcache_jax.distributed.supervise import supervise
-        from mpcache_jax.distributed.party import AddressInUse
+        from runtime.distributed import (EXIT_CONFIG, EXIT_PEER, JobFailed, NodeConfigError,
+                                         PartyFailure, load_node_config, run_loopback,
+                                         run_party)
+        from runtime.distributed.supervise import supervise
+        from runtime.distributed.party import AddressInUse
     except Exception as err:  # noqa: BLE001 - a broken install must still say why
         traceback.print_exc()
         print(f"[party {who}] error: cannot import the launcher: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
     try:
         if who == "all":
-            from mpcache_jax.distributed.config import DuplicateKeyError, loads_strict
+            from runtime.distributed.config import DuplicateKeyError, loads_strict
             try:
                 overrides = loads_strict(FLAGS.job) if FLAGS.job else {}
             except (json.JSONDecodeError, DuplicateKeyError) as err:
@@ -63,7 +63,7 @@ def main(argv):
                 raise NodeConfigError(f"--job must be a JSON object, e.g. '{{\"policy\": "
                                       f"\"full\"}}', got {FLAGS.job!r}")
             if FLAGS.compare_sim:
-                from mpcache_jax.distributed.compare import compare_backends
+                from runtime.distributed.compare import compare_backends
                 policies = FLAGS.policies or [load_node_config(FLAGS.node_config).job.policy]
                 compare_backends(FLAGS.node_config, policies, FLAGS.output_dir, **overrides)
                 return 0
@@ -81,7 +81,7 @@ def main(argv):
             raise NodeConfigError("--job overrides are for --party=all only: every party must "
                                   "read the same job, so edit the node config instead")
         if not FLAGS.worker:
-            from mpcache_jax.distributed.party import check_own_port
+            from runtime.distributed.party import check_own_port
             check_own_port(config, who)
             own = [f"--prompt_file={FLAGS.prompt_file}"] if FLAGS.prompt_file else []
             sys.exit(supervise(config, who, FLAGS.output_dir,

@@ -37,7 +37,7 @@ def main(argv):
 def run_nodes():
     """--backend=spu_nodes: the node config's job once per --policies x --seq_lens, with every
     party as a local process; prints one line per run (records: DIR/results.jsonl)."""
-    from mpcache_jax.distributed import JobFailed, run_loopback
+    from runtime.distributed import JobFailed, run_loopback
     if not FLAGS.node_config:
         raise ValueError("--backend=spu_nodes needs --node_config=FILE (see experiments/nodes/*.json)")
     job = {}

@@ -20,12 +20,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpcache_jax import programs
 from mpcache_jax.cache import (KVCache, SplitCache, empty_cache, empty_window, model_layers,
                                policy_layers)
 from mpcache_jax.policy import FULL, AttentionPolicy, PrefillAux
 from models.config import ModelConfig
 from models.transformer import DecoderLM
+
+
+# ----- the model functions (pure; `Model` jits them, runtime.programs compiles them per backend) ---
+def dense_prefill(model: "Model", params, tokens, cache, return_queries: bool,
+                  all_logits: bool = False, length=None):
+    """(logits [V] or [T, V], dense cache, per-layer queries or None). tokens: ids [T] or
+    one-hot [T, V]; length: real tokens of a bucketed prompt (runtime), default T."""
+    return model.module.apply({"params": params}, tokens, cache, return_queries, all_logits,
+                              length, method=DecoderLM.prefill)
+
+
+def decode_logits(model: "Model", policy: AttentionPolicy, params, token, pos, cache):
+    """One decode step -> (logits [V], cache). token: id [] or one-hot [V]; pos: public."""
+    return model.module.apply({"params": params}, token, pos, cache, policy,
+                              method=DecoderLM.decode)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
@@ -35,13 +49,12 @@ def _forward(model, params, tokens):
 
 @functools.partial(jax.jit, static_argnames=("model", "return_queries", "all_logits"))
 def _prefill(model, params, tokens, cache, return_queries, all_logits, length=None):
-    return programs.dense_prefill(model, params, tokens, cache, return_queries, all_logits,
-                                  length)
+    return dense_prefill(model, params, tokens, cache, return_queries, all_logits, length)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "policy"), donate_argnames=("cache",))
 def _decode(model, params, token, pos, cache, policy):
-    return programs.decode_logits(model, policy, params, token, pos, cache)
+    return decode_logits(model, policy, params, token, pos, cache)
 
 
 def tie_lm_head(params: dict) -> dict:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The certificate recipe of the multi-host runs (WORKSPACE.md, "Multi-host recipe"): a CA and
-# one certificate per node by the TLS identity rule of mpcache_jax/distributed/config.py:
+# one certificate per node by the TLS identity rule of runtime/distributed/config.py:
 # CN = the node id (node:0, node:1, ...), subjectAltName = the node's host (IP or DNS name).
 #
 #   bash scripts/make_certs.sh DIR HOST0 HOST1 [HOST2 ...]     # DAYS=30 by default

@@ -1,7 +1,7 @@
 """Shared test driver: prefill a prompt, compress the cache with a policy, teacher-force steps."""
 import numpy as np
 
-from mpcache_jax.generate import compress_cache
+from runtime.generate import compress_cache
 from models import model as model_module
 
 

@@ -6,8 +6,8 @@ The registry is enumerated, so a new policy is covered as soon as it is register
 import numpy as np
 import pytest
 
-from mpcache_jax import generate
-from mpcache_jax.generate import apply_policy, bucket_of, prefill_prompt
+from runtime import generate
+from runtime.generate import apply_policy, bucket_of, prefill_prompt
 from mpcache_jax.policies import POLICY_NAMES, make_policy
 from models import model as model_module
 from models import registry

@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 
 from experiments import fault_cases as fc
-from mpcache_jax.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_config,
-                                     parse_node_config, run_loopback)
-from mpcache_jax.distributed import config as config_lib
-from mpcache_jax.distributed import job as job_lib
-from mpcache_jax.distributed.compare import simulate
-from mpcache_jax.distributed.launch import (free_ports, prepare_config, start_parties,
-                                            wait_parties)
-from mpcache_jax.distributed.party import run_party, warn_if_insecure
-from mpcache_jax.distributed.supervise import supervise
+from runtime.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_config,
+                                 parse_node_config, run_loopback)
+from runtime.distributed import config as config_lib
+from runtime.distributed import job as job_lib
+from runtime.distributed.compare import simulate
+from runtime.distributed.launch import (free_ports, prepare_config, start_parties,
+                                        wait_parties)
+from runtime.distributed.party import run_party, warn_if_insecure
+from runtime.distributed.supervise import supervise
 from experiments.fault_cases import node_config as loopback_node_config
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -652,7 +652,7 @@ def test_the_front_drops_a_hostile_frame_and_names_the_peer(tmp_path, name):
 def test_front_parses_the_frames_spu_sends():
     """A Push as SPU 0.9.5 frames it (a chunk of a 3 MB message, read off the wire) parses to
     its rank, key, chunk length and offset; a header alone waits for the body."""
-    from mpcache_jax.distributed import front
+    from runtime.distributed import front
     frame = fc.forge_frame(2, b"l.run:P2P-7:2->0", b"z" * 100, message_length=3000, chunk_offset=200)
     push = front.parse_frame(bytearray(frame + b"PRPC"), 1 << 20)
     assert (push.sender_rank, push.key, push.chunk_bytes, push.message_length,
@@ -683,7 +683,7 @@ def test_front_parses_the_frames_spu_sends():
 def test_message_cap_follows_its_formula():
     """cap = 1 MiB + b * max(largest weight, T*V, 4 * max(H*T*(T+N), T*F, V)); the announced
     prompt length replaces job.seq_len."""
-    from mpcache_jax.distributed.party import message_cap_bytes
+    from runtime.distributed.party import message_cap_bytes
     config = parse_node_config(node_config(3, "ABY3"))
     cfg = job_lib.build(config.job)[0].cfg
     largest = max(int(np.prod(leaf.shape)) for leaf in
@@ -697,7 +697,7 @@ def test_message_cap_follows_its_formula():
 
 def test_link_shape_profiles_reach_the_front(tmp_path):
     """link.shape "lan" / "wan" / explicit -> the front's one-way delay (s) and rate (B/s)."""
-    from mpcache_jax.distributed.party import front_spec
+    from runtime.distributed.party import front_spec
     for shape, delay_s, rate in (("lan", 0.0003, 377e6), ("wan", 0.08, 40e6),
                                  ({"delay_ms": 5}, 0.005, None), (None, 0.0, None)):
         config = parse_node_config(node_config(3, "ABY3", shape=shape))
@@ -709,7 +709,7 @@ def test_link_shape_profiles_reach_the_front(tmp_path):
 def test_a_shaping_front_relays_every_frame_intact(tmp_path):
     """With a delay and a rate, the checked frames still reach brpc whole and in order."""
     import socket
-    from mpcache_jax.distributed import front
+    from runtime.distributed import front
     proc, spec, backend, received = fc.start_test_front(
         tmp_path, free_ports(1)[0], spec_overrides={"delay_s": 0.02, "rate_bytes_s": 2e6})
     try:

@@ -10,7 +10,8 @@ from mpcache_jax.policies import make_policy
 from mpcache_jax.policies.base import StreamingLLM
 from mpcache_jax.policies.h2o import H2O
 from mpcache_jax.policies.prefixkv import (MPCachePrefixKV, PrefixKV, lorenz_curve,
-                                           main as prefixkv_main, search_retention)
+                                           search_retention)
+from experiments.prefixkv_calibrate import main as prefixkv_main
 from mpcache_jax.policies.pyramidkv import PyramidKV
 from mpcache_jax.policies.snapkv import SnapKV, max_pool_1d
 from mpcache_jax.policies.tova import TOVA

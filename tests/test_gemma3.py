@@ -21,7 +21,7 @@ import pytest
 
 from experiments import gemma_parity
 from mpcache_jax.cache import SplitCache, WindowKV, fill_window, policy_layers
-from mpcache_jax.generate import apply_policy, compress_cache, decode_tokens
+from runtime.generate import apply_policy, compress_cache, decode_tokens
 from mpcache_jax.policies import POLICY_NAMES, make_policy
 from mpcache_jax.policy import FULL
 from models import catalog, gemma3, registry
@@ -346,7 +346,7 @@ def test_secure_decode_steps_give_the_xla_tokens(gemma, name):
     prompt wraps the local ring (small programs), prefill in the clear, then 3 decode steps
     under ABY3 (SPU's simulator): the plaintext tokens, and logits within fixed-point error.
     The vocabulary is cut to the prompt's ids and the first 2,048 (memory)."""
-    from mpcache_jax import mpc
+    from runtime import mpc
 
     picked = catalog.pick_layers(gemma, [4, 5])
     small = catalog.LoadedModel(Model(picked.model.cfg.replace(sliding_window=48)),

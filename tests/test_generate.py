@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments.common import REPO_ROOT
-from mpcache_jax.generate import SamplingConfig, generate, sample_token
+from runtime.generate import SamplingConfig, generate, sample_token
 from models import registry
 
 

@@ -1,4 +1,4 @@
-"""Secure inference through SPU (mpcache_jax/mpc): configs, cost parsing, secure decode vs
+"""Secure inference through SPU (runtime/mpc): configs, cost parsing, secure decode vs
 plaintext, and the no-reveal property of the compiled programs. Tiny models, seconds each."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mpcache_jax import mpc
-from mpcache_jax.generate import apply_policy
+from runtime import mpc
+from runtime.generate import apply_policy
 from mpcache_jax.policies import make_policy
 from models import registry
 from models.transformer import RMSNorm, activation_fn

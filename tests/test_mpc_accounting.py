@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mpcache_jax import mpc
-from mpcache_jax.distributed import costs as node_costs
-from mpcache_jax.mpc import costs
+from runtime import mpc
+from runtime.distributed import costs as node_costs
+from runtime.mpc import costs
 
 PREFIX = "2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:223] "
 

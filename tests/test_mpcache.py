@@ -6,7 +6,7 @@ import pytest
 
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import empty_layer
-from mpcache_jax.generate import compress_cache
+from runtime.generate import compress_cache
 from mpcache_jax.policies import POLICY_NAMES, MPCache, make_policy
 from mpcache_jax.policies.base import PrunedLayer
 from mpcache_jax.extent import Extent

@@ -6,7 +6,7 @@ import io
 import pytest
 
 from experiments.progress import DecodeETA, GenerationProgress, format_duration
-from mpcache_jax.mpc.secure import StepCost
+from runtime.mpc.secure import StepCost
 
 
 def test_eta_ignores_everything_before_decode():

@@ -21,7 +21,7 @@ import pytest
 
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import LayerKV
-from mpcache_jax.generate import compress_cache
+from runtime.generate import compress_cache
 from mpcache_jax.policies import POLICY_NAMES, make_policy
 from mpcache_jax.policies.base import LayerBudgetPolicy
 from mpcache_jax.policy import PrefillAux

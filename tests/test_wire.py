@@ -1,4 +1,4 @@
-"""The wire format between parties (mpcache_jax/distributed/wire.py): no process, no link.
+"""The wire format between parties (runtime/distributed/wire.py): no process, no link.
 
 A peer's message is only ever parsed as a JSON header + SPU value protobufs checked field by
 field against what the receiver expects; anything else is a WireError naming the sender, and
@@ -17,8 +17,8 @@ import pytest
 import spu
 
 from experiments.fault_cases import pb_field
-from mpcache_jax.distributed import wire
-from mpcache_jax.distributed.wire import ShareSpec, WireError
+from runtime.distributed import wire
+from runtime.distributed.wire import ShareSpec, WireError
 
 SENDER = "node:0"
 PARTIES = {"ABY3": 3, "SEMI2K": 2}

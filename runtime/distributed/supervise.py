@@ -19,10 +19,10 @@ import subprocess
 import sys
 import time
 
-from mpcache_jax.distributed.config import NodeConfig, estimate_party_memory
-from mpcache_jax.distributed.launch import Interrupted, child_env, interruptible
-from mpcache_jax.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, blame,
-                                           failing_peer, front_events_path, spu_log_path)
+from runtime.distributed.config import NodeConfig, estimate_party_memory
+from runtime.distributed.launch import Interrupted, child_env, interruptible
+from runtime.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, blame,
+                                       failing_peer, front_events_path, spu_log_path)
 
 _LINK_ERROR = re.compile(r"\[(error|warning)\]|failed|timeout|Not connected", re.IGNORECASE)
 

@@ -1,4 +1,4 @@
-"""Secure generation: the step programs (`mpcache_jax.programs`) compiled once and driven
+"""Secure generation: the step programs (`runtime.programs`) compiled once and driven
 under MPC, one token at a time, on any backend.
 
     session = SecureSession(backend, model, params, policy)
@@ -10,7 +10,7 @@ decode program serves every step); the KV cache stays secret-shared between step
 step's sampled token is revealed, to the client, who feeds it back as a secret one-hot row.
 
 The same loop runs on every backend (`xla`, `spu_sim`, and one party of a multi-process run,
-`mpcache_jax.distributed`): a party that does not own an input passes its shape
+`runtime.distributed`): a party that does not own an input passes its shape
 (`jax.ShapeDtypeStruct`) instead of the value, learns revealed values only when it is their
 owner, and follows the client's public decisions (stop after an end-of-turn token).
 """
@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpcache_jax import programs
-from mpcache_jax.mpc.backends import CLIENT, PUBLIC, SECRET, SERVER, secret_reveals  # noqa: F401
-from mpcache_jax.mpc.costs import RunCost
+from runtime import programs
+from runtime.mpc.backends import CLIENT, PUBLIC, SECRET, SERVER, secret_reveals  # noqa: F401
+from runtime.mpc.costs import RunCost
 from mpcache_jax.policy import AttentionPolicy
-from mpcache_jax.programs import (StepPrograms, cache_visibility, onehot, shape_of)
+from runtime.programs import (StepPrograms, cache_visibility, onehot, shape_of)
 
 
 # How the prompt is prefilled: "secure" (the private run) or "clear" (decode benchmarks: the

@@ -18,7 +18,7 @@ row (a secret token id would otherwise need a secret-index embedding gather).
 Every backend compiles these (`mpc.backends`: XLA, the SPU simulator; `distributed`: one SPU
 party per process) and the session loop (`mpc.secure.SecureSession`) drives them. Plaintext
 entry points with ids instead of one-hots (`models.model.Model.prefill/decode_step`) call
-the same model functions (`dense_prefill`, `decode_logits`); the cost benchmarks add
+the same model functions (`models.model.dense_prefill`, `decode_logits`); the cost benchmarks add
 `decode_layers`, `forward_layers` and `head` (the decode step split around the LM head).
 """
 from __future__ import annotations
@@ -32,31 +32,13 @@ import numpy as np
 
 from mpcache_jax.cache import policy_layers, with_policy_layers
 from mpcache_jax.policy import AttentionPolicy, PrefillAux
+from models.model import decode_logits, dense_prefill
+from models.transformer import DecoderLM
 
 SECRET = "secret"
 PUBLIC = "public"
 # Token counters of the cache (slot positions) are public; every other leaf is secret.
 PUBLIC_CACHE_FIELDS = ("length",)
-
-
-def _module():
-    from models.transformer import DecoderLM
-    return DecoderLM
-
-
-# ----- the model functions (pure; jitted or compiled by the callers) -------------------------------
-def dense_prefill(model, params, tokens, cache, return_queries: bool, all_logits: bool = False,
-                  length=None):
-    """(logits [V] or [T, V], dense cache, per-layer queries or None). tokens: ids [T] or
-    one-hot [T, V]; length: real tokens of a bucketed prompt (runtime), default T."""
-    return model.module.apply({"params": params}, tokens, cache, return_queries, all_logits,
-                              length, method=_module().prefill)
-
-
-def decode_logits(model, policy: AttentionPolicy, params, token, pos, cache):
-    """One decode step -> (logits [V], cache). token: id [] or one-hot [V]; pos: public."""
-    return model.module.apply({"params": params}, token, pos, cache, policy,
-                              method=_module().decode)
 
 
 def greedy(logits: jax.Array) -> jax.Array:
@@ -87,7 +69,7 @@ def decode_layers_fn(model, policy: AttentionPolicy):
     without the LM head (cost runs: the head does not depend on the policy)."""
     def decode_layers(params, token, pos, cache):
         return model.module.apply({"params": params}, token, pos, cache, policy,
-                                  method=_module().decode_hidden)
+                                  method=DecoderLM.decode_hidden)
     return decode_layers
 
 
@@ -95,14 +77,14 @@ def forward_layers_fn(model):
     """(params, tokens [T, V]) -> hidden [1, D] of the last position: the decoder layers of a
     no-KV-cache decode step (recompute prompt + generated tokens)."""
     def forward_layers(params, tokens):
-        return model.module.apply({"params": params}, tokens, method=_module().forward_hidden)
+        return model.module.apply({"params": params}, tokens, method=DecoderLM.forward_hidden)
     return forward_layers
 
 
 def head_fn(model):
     """(params, hidden [1, D]) -> (token, logits [V]): final norm, LM head, greedy argmax."""
     def head(params, hidden):
-        logits = model.module.apply({"params": params}, hidden, method=_module().lm_logits)[0]
+        logits = model.module.apply({"params": params}, hidden, method=DecoderLM.lm_logits)[0]
         return greedy(logits), logits
     return head
 

@@ -1,6 +1,6 @@
 """Backends that run one jittable function under a visibility spec: plaintext XLA or SPU.
 
-Every backend (also one party of a multi-process run, `mpcache_jax.distributed.NodeBackend`)
+Every backend (also one party of a multi-process run, `runtime.distributed.NodeBackend`)
 exposes the same calls, so the programs and the session loop are shared:
 
     backend = make_backend("spu_sim", MPCConfig(protocol="ABY3"))     # or "xla"
@@ -32,10 +32,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mpcache_jax.mpc.config import MPCConfig
-from mpcache_jax.mpc.costs import RunCost, party_executable_name, read_run_profiles
-from mpcache_jax.programs import (PUBLIC, SECRET, broadcast_visibility,
-                                  dependency_visibility)
+from runtime.mpc.config import MPCConfig
+from runtime.mpc.costs import RunCost, party_executable_name, read_run_profiles
+from runtime.programs import (PUBLIC, SECRET, broadcast_visibility,
+                              dependency_visibility)
 
 # Input owners (hints only: SPU may co-locate a share with its owner).
 SERVER = 0   # holds the weights

@@ -3,7 +3,7 @@
 Every party builds the same model geometry and policy from the job (public); the model owner
 loads the weights, every other party only their shapes; the prompt owner loads its prompt (a
 private file, or `seq_len` random ids for benchmarks). The programs are the session's step
-programs (`mpcache_jax.programs`), run by `mpc.secure.SecureSession` on each party's
+programs (`runtime.programs`), run by `mpc.secure.SecureSession` on each party's
 `NodeBackend`; `plaintext_session` runs the same session on the XLA backend (the reference
 the tests compare the secure tokens and logits with).
 """
@@ -15,7 +15,7 @@ import numpy as np
 
 from models import registry
 from models.model import Model
-from mpcache_jax.distributed.config import JobSpec
+from runtime.distributed.config import JobSpec
 from mpcache_jax.policies import make_policy
 from mpcache_jax.policy import AttentionPolicy
 
@@ -70,7 +70,7 @@ def load_prompt(job: JobSpec, prompt_file: str | None = None) -> tuple[list[int]
 
 def plaintext_session(job: JobSpec, prompt_ids, reveal_logits: bool = True):
     """The job's generation under XLA with the same session loop (tests compare against it)."""
-    from mpcache_jax import mpc
+    from runtime import mpc
     model, policy = build(job)
     session = mpc.SecureSession(mpc.make_backend("xla"), model, load_weights(job), policy)
     return session.generate(prompt_ids, job.max_new_tokens, reveal_logits=reveal_logits)

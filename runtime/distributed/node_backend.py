@@ -19,12 +19,12 @@ from typing import Callable
 import jax
 import numpy as np
 
-from mpcache_jax.distributed import wire
-from mpcache_jax.distributed.costs import run_cost_from_json, run_cost_to_json
-from mpcache_jax.mpc.backends import (CLIENT, SERVER, Program, Shared, compile_spu,
-                                      convert_visibility)
-from mpcache_jax.mpc.costs import combine_parties, read_last_profile
-from mpcache_jax.programs import PUBLIC, SECRET, broadcast_visibility
+from runtime.distributed import wire
+from runtime.distributed.costs import run_cost_from_json, run_cost_to_json
+from runtime.mpc.backends import (CLIENT, SERVER, Program, Shared, compile_spu,
+                                  convert_visibility)
+from runtime.mpc.costs import combine_parties, read_last_profile
+from runtime.programs import PUBLIC, SECRET, broadcast_visibility
 
 
 class ProgramMismatch(RuntimeError):

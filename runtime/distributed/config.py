@@ -61,8 +61,15 @@ import pathlib
 import re
 from typing import Any
 
-from mpcache_jax.mpc import config as mpc_config
-from mpcache_jax.mpc.config import MPCConfig
+import jax
+
+from mpcache_jax.policies import POLICY_NAMES, make_policy
+from models import registry
+from models.config import ConfigError
+from models.model import Model
+from models.registry import MODEL_NAMES
+from runtime.mpc import config as mpc_config
+from runtime.mpc.config import MPCConfig
 
 
 class NodeConfigError(ValueError):
@@ -243,8 +250,6 @@ class JobSpec:
     prefill: str = "secure"
 
     def __post_init__(self):
-        from models.registry import MODEL_NAMES
-        from mpcache_jax.policies import POLICY_NAMES
         integer = ("an integer", _is_int)
         optional = lambda ok: (lambda v: v is None or ok(v))  # noqa: E731
         _check_types(self, {
@@ -261,7 +266,7 @@ class JobSpec:
             "memory_limit_gb": ("a number of GB or null", optional(_is_number)),
             "prefill": ("a string", lambda v: isinstance(v, str)),
         }, "job")
-        from mpcache_jax.mpc.secure import PREFILL_MODES
+        from runtime.mpc.secure import PREFILL_MODES
         if self.prefill not in PREFILL_MODES:
             raise NodeConfigError(f"job.prefill={self.prefill!r} is unknown; use \"secure\" "
                                   "(private) or \"clear\" (decode benchmarks, public prompt)")
@@ -751,9 +756,6 @@ def estimate_party_memory(job: JobSpec, mpc: MPCConfig, prompt_len: int | None =
     max_new_tokens. With a clear prefill the secure part is the decode step (one query row)
     and the prefill runs in float32 plaintext (the last term). An order-of-magnitude bound
     meant to refuse impossible jobs before they start, not a measurement."""
-    from models import registry
-    from models.model import Model
-    import jax
     cfg = registry.get_config(job.model, num_layers=job.num_layers)
     params = sum(int(math.prod(leaf.shape))
                  for leaf in jax.tree_util.tree_leaves(Model(cfg).param_shapes()))
@@ -791,8 +793,6 @@ def memory_limit_bytes(config: NodeConfig) -> tuple[int, str]:
 def check_job_bounds(config: NodeConfig, prompt_len: int | None = None) -> None:
     """The job must fit the model (prompt + new tokens <= the model's context), its policy must
     build, and one party's estimated memory must stay under the limit (`memory_limit_bytes`)."""
-    from models.config import ConfigError
-    from models import registry
     job = config.job
     try:
         cfg = registry.get_config(job.model, num_layers=job.num_layers)
@@ -804,7 +804,6 @@ def check_job_bounds(config: NodeConfig, prompt_len: int | None = None) -> None:
             f"job.seq_len={T} + job.max_new_tokens={job.max_new_tokens} = "
             f"{T + job.max_new_tokens} exceeds {job.model}'s context of {cfg.max_position} "
             f"tokens; make them add up to at most {cfg.max_position}")
-    from mpcache_jax.policies import make_policy
     try:
         make_policy(job.policy, job.budget, **job.policy_options)
     except (TypeError, ValueError, LookupError, AttributeError) as err:

@@ -29,8 +29,8 @@ import tempfile
 import threading
 import time
 
-from mpcache_jax.distributed.config import (NodeConfig, NodeConfigError, is_loopback,
-                                            load_node_config, node_tag, parse_node_config)
+from runtime.distributed.config import (NodeConfig, NodeConfigError, is_loopback,
+                                        load_node_config, node_tag, parse_node_config)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # After the first party fails, the others get peer_timeout_s + this long to notice and exit
@@ -243,7 +243,7 @@ def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike |
     """
     out = pathlib.Path(output_dir or tempfile.mkdtemp(prefix="mpcache_nodes_"))
     config, path = prepare_config(node_config, out, use_free_ports, **job_overrides)
-    from mpcache_jax.distributed.party import check_own_port
+    from runtime.distributed.party import check_own_port
     for pid in config.party_ids:
         check_own_port(config, pid)       # AddressInUse before any party starts
     results = out / "results.jsonl"

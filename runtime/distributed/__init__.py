@@ -12,11 +12,11 @@ launch.py        loopback launcher: all parties as local processes (run_loopback
 supervise.py     the party's supervisor process (explains a worker the link layer ended)
 compare.py       simulated (spu_sim) vs multi-process cost of the same job
 """
-from mpcache_jax.distributed.config import (JobSpec, LinkOptions, NodeConfig, NodeConfigError,
-                                            TLSConfig, load_node_config, parse_node_config)
-from mpcache_jax.distributed.launch import JobFailed, run_loopback
-from mpcache_jax.distributed.party import (EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PEER,
-                                           PartyFailure, run_party)
+from runtime.distributed.config import (JobSpec, LinkOptions, NodeConfig, NodeConfigError,
+                                        TLSConfig, load_node_config, parse_node_config)
+from runtime.distributed.launch import JobFailed, run_loopback
+from runtime.distributed.party import (EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PEER,
+                                       PartyFailure, run_party)
 
 __all__ = ["JobSpec", "LinkOptions", "NodeConfig", "NodeConfigError", "TLSConfig",
            "load_node_config", "parse_node_config", "JobFailed", "run_loopback", "PartyFailure",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpcache_jax.distributed import wire
-from mpcache_jax.mpc.costs import OpCost, RunCost, cost_fields
+from runtime.distributed import wire
+from runtime.mpc.costs import OpCost, RunCost, cost_fields
 
 
 def run_cost_to_json(run: RunCost) -> dict:

@@ -35,11 +35,15 @@ import sys
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
-from mpcache_jax.distributed.config import (NodeConfig, NodeConfigError, check_job_bounds,
-                                            identity_mismatch, is_loopback, node_tag)
-from mpcache_jax.distributed import costs, job as job_lib, wire
+from models import registry
+from models.model import Model
+from runtime.distributed.config import (FIELD_BYTES, SHARES_PER_PARTY, NodeConfig,
+                                        NodeConfigError, check_job_bounds, identity_mismatch,
+                                        is_loopback, node_tag)
+from runtime.distributed import costs, job as job_lib, wire
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_PEER = 0, 1, 2, 3
 LINGER_S = 1.0
@@ -189,10 +193,6 @@ def message_cap_bytes(config: NodeConfig, prompt_len: int | None = None) -> int:
     [T, F], the logits [V]) x4 for kernels that send more than one ring element per value
     (bit-decomposed comparisons, OT-based conversions); 1 MiB for the typed header. A bound
     from the job's shapes, not the exact largest message of the compiled programs."""
-    import jax
-    from models import registry
-    from models.model import Model
-    from mpcache_jax.distributed.config import FIELD_BYTES, SHARES_PER_PARTY
     job = config.job
     cfg = registry.get_config(job.model, num_layers=job.num_layers)
     largest_weight = max(int(math.prod(leaf.shape)) for leaf in
@@ -208,7 +208,7 @@ def message_cap_bytes(config: NodeConfig, prompt_len: int | None = None) -> int:
 
 def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
     """This party's front.FrontSpec from the config."""
-    from mpcache_jax.distributed.front import FrontSpec
+    from runtime.distributed.front import FrontSpec
     host, _, port = config.address(party_id).rpartition(":")
     tls = config.link.tls
     cap = message_cap_bytes(config)
@@ -237,8 +237,8 @@ def start_front(config: NodeConfig, party_id: str, output_dir) -> FrontHandle:
     """Start this party's front (a child process that dies with this one) and wait until it
     listens -> FrontHandle. Raises AddressInUse when the public port is taken."""
     import subprocess
-    from mpcache_jax.distributed import front as front_mod
-    from mpcache_jax.distributed.launch import child_env
+    from runtime.distributed import front as front_mod
+    from runtime.distributed.launch import child_env
     events = front_events_path(output_dir, party_id)
     events.write_text("")
     spec = front_spec(config, party_id, events)
@@ -340,7 +340,7 @@ def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) 
     that answers (a web server, another program, another config's party) is FOREIGN."""
     import socket
     import ssl
-    from mpcache_jax.distributed import front as front_mod
+    from runtime.distributed import front as front_mod
     host, _, port = config.address(peer).rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -698,9 +698,9 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
     """Run this party's side of the job. Returns the summary record on the prompt owner (its
     per-step records go to `output_dir/results.jsonl`, tokens to `output_dir/outputs.npz`),
     None elsewhere. Raises PartyFailure naming the peer when another party fails."""
-    from mpcache_jax.distributed.node_backend import NodeBackend, ProgramMismatch
-    from mpcache_jax.mpc.backends import CLIENT
-    from mpcache_jax.mpc.secure import SecureSession
+    from runtime.distributed.node_backend import NodeBackend, ProgramMismatch
+    from runtime.mpc.backends import CLIENT
+    from runtime.mpc.secure import SecureSession
 
     out = pathlib.Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

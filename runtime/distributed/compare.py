@@ -12,18 +12,18 @@ from __future__ import annotations
 import json
 import pathlib
 
-from mpcache_jax.distributed import job as job_lib
-from mpcache_jax.distributed.config import load_node_config
-from mpcache_jax.distributed.costs import generation_records
-from mpcache_jax.distributed.launch import run_loopback
+from runtime.distributed import job as job_lib
+from runtime.distributed.config import load_node_config
+from runtime.distributed.costs import generation_records
+from runtime.distributed.launch import run_loopback
 
 
 def simulate(node_config: str, prompt_file: str | None = None, profile: bool = True,
              **job_overrides) -> list[dict]:
     """The node config's job under spu_sim with the same session and records (backend
     'spu_sim'): per-step records and a summary (+ `logits` when the job reveals them)."""
-    from mpcache_jax.mpc.backends import make_backend
-    from mpcache_jax.mpc.secure import SecureSession
+    from runtime.mpc.backends import make_backend
+    from runtime.mpc.secure import SecureSession
     config = load_node_config(node_config).with_job(**job_overrides)
     job = config.job
     model, policy = job_lib.build(job)
