@@ -188,7 +188,7 @@ def continuation(tokenizer, *, num_samples: int, lengths: list[int], target_len:
     for i in range(num_samples):
         rng = random.Random(f"continuation/{seed}/{i}")
         length = lengths[i % len(lengths)]
-        ids: list[int] = []
+        ids: list[int] = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []
         for piece in prose_pieces(rng):
             ids.extend(tokenizer.encode(piece))
             if len(ids) >= length + target_len:

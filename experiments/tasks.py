@@ -78,7 +78,12 @@ class PromptBuilder:
 
     def __init__(self, tokenizer, chat: bool = True):
         self.tok = tokenizer
-        if chat:
+        # A base model (no chat template, e.g. gemma3-270m) gets the plain prompt, with the
+        # BOS its metadata asks for (what `encode_request` does for --prompt).
+        self.chat = chat and getattr(tokenizer, "has_chat_template", True)
+        self.bos = ([tokenizer.bos_id] if not self.chat and getattr(tokenizer, "add_bos", False)
+                    else [])
+        if self.chat:
             rendered = tokenizer.apply_chat_template(
                 [{"role": "user", "content": self.PLACEHOLDER}], add_generation_prompt=True)
             self.head, self.tail = rendered.split(self.PLACEHOLDER)
@@ -100,7 +105,7 @@ class PromptBuilder:
               question: str, length: int) -> tuple[list[int], list[list[tuple[int, int]]]]:
         """-> (prompt ids of exactly `length` tokens, per insert the [start, end) prompt
         positions of its marks)."""
-        head = self.tok.encode(self.head + intro + "\n\n")
+        head = self.bos + self.tok.encode(self.head + intro + "\n\n")
         tail = self.tok.encode("\n\n" + question + self.tail)
         encoded = [(depth, *self._encode_marked(text, marks)) for depth, text, marks in inserts]
         room = length - len(head) - len(tail) - sum(len(ids) for _, ids, _ in encoded)
@@ -262,9 +267,7 @@ def longbench_jsonl(tokenizer, *, data_path: str, num_samples: int, max_length: 
                                      f"{type(record[field]).__name__}")
             count += 1
             user = f"{record['context']}\n\nQuestion: {record['input']}\nAnswer:"
-            text = tokenizer.apply_chat_template([{"role": "user", "content": user}],
-                                                 add_generation_prompt=True) if chat else user
-            ids = tokenizer.encode(text)
+            ids = tokenizer.encode_request(user, chat=chat)   # a base model: plain, with BOS
             if len(ids) > max_length:
                 half = max_length // 2
                 ids = ids[:half] + ids[-(max_length - half):]

@@ -237,6 +237,30 @@ def gemma():
     return gemma3.load()
 
 
+def test_the_fidelity_tasks_give_a_base_model_plain_prompts_with_its_bos(gemma, tmp_path):
+    """gemma3-270m has no chat template: the suite's prompts are plain text after BOS (as
+    --prompt is), of the asked length, with the answer still marked."""
+    import json
+    from experiments import natural_tasks, tasks
+    tok = gemma.tokenizer
+    assert not tok.has_chat_template and tok.add_bos
+    needle = next(natural_tasks.multi_needle(tok, num_samples=1, lengths=[600], depths=[0.5],
+                                             seed=0))
+    assert len(needle.prompt_ids) == 600 and needle.prompt_ids[0] == tok.bos_id
+    assert tok.bos_id not in needle.prompt_ids[1:]
+    assert tok.decode(needle.prompt_ids).rstrip().endswith("?")
+    continuation = next(natural_tasks.continuation(tok, num_samples=1, lengths=[300],
+                                                   target_len=16, seed=0))
+    assert continuation.prompt_ids[0] == tok.bos_id and len(continuation.prompt_ids) == 300
+    path = tmp_path / "lb.jsonl"
+    path.write_text(json.dumps({"context": "Ada lives in Oslo.", "input": "Where does Ada live?",
+                                "answers": ["Oslo"]}) + "\n")
+    row = next(tasks.longbench_jsonl(tok, data_path=str(path), num_samples=1, max_length=64,
+                                     metric=None))
+    assert row.prompt_ids == tok.encode_prompt("Ada lives in Oslo.\n\nQuestion: Where does "
+                                               "Ada live?\nAnswer:")
+
+
 @pytest.fixture(scope="module")
 def reference(gemma, hf):
     return gemma_parity.hf_from_params(gemma.model.cfg, gemma.params)
