@@ -29,6 +29,7 @@ import numpy as np
 
 from experiments import common, metrics
 from mpcache_jax import analysis
+from mpcache_jax.cache import policy_layers
 from runtime.generate import apply_policy
 
 
@@ -139,7 +140,8 @@ def mechanism(model, params, policy, dense, aux, logits, start_pos: int, ref: Re
     cache = apply_policy(probe, dense, aux, max_new_tokens)
     for t in range(step):
         logits, cache = model.decode_step(params, ref.tokens[t], start_pos + t, cache, probe)
-    attended = analysis.attended_positions([np.asarray(s.attended) for s in cache], keep)
+    attended = analysis.attended_positions(
+        [np.asarray(s.attended) for s in policy_layers(cache)], keep)
     out["select"] = [analysis.span_coverage(m, spans) for m in attended]
     return out
 
