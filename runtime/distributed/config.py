@@ -68,6 +68,8 @@ from models import registry
 from models.config import ConfigError
 from models.model import Model
 from models.registry import MODEL_NAMES
+from runtime.distributed.certs import (CertificateError, check_own_certificate, check_validity,
+                                       read_certificate)
 from runtime.mpc import config as mpc_config
 from runtime.mpc.config import MPCConfig
 
@@ -454,112 +456,6 @@ def validate_runtime_config(runtime: Any, world_size: int) -> MPCConfig:
                               f"(node_ids lists {world_size} parties)") from None
 
 
-# ----- TLS identity ---------------------------------------------------------------------------
-
-def certificate_names(cert: dict) -> tuple[str | None, tuple[tuple[str, str], ...]]:
-    """(subject CN, subjectAltName entries) of a certificate as Python's ssl module decodes it
-    (`SSLSocket.getpeercert()`)."""
-    cn = None
-    for rdn in cert.get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName":
-                cn = value
-    return cn, tuple((str(k), str(v)) for k, v in cert.get("subjectAltName", ()))
-
-
-def _san_matches(host: str, sans) -> bool:
-    try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return any(kind == "DNS" and value.lower() == host.lower() for kind, value in sans)
-    for kind, value in sans:
-        if kind == "IP Address":
-            try:
-                if ipaddress.ip_address(value.strip()) == ip:
-                    return True
-            except ValueError:
-                continue
-    return False
-
-
-def describe_certificate(cert: dict) -> str:
-    """'CN=node:2, SAN IP:127.0.0.1 DNS:localhost' (for messages)."""
-    cn, sans = certificate_names(cert)
-    names = " ".join(f"{'IP' if k == 'IP Address' else k}:{v}" for k, v in sans) or "none"
-    return f"CN={cn!r}, SAN {names}"
-
-
-def identity_mismatch(cert: dict, node: str, host: str) -> str | None:
-    """Why `cert` is not node `node` at `host` by the TLS identity rule (module docstring):
-    None if it is."""
-    cn, sans = certificate_names(cert)
-    problems = []
-    if cn != node:
-        problems.append(f"its CN is {cn!r}, not {node!r}")
-    if not _san_matches(host, sans):
-        problems.append(f"its subjectAltName has no entry for the node's host {host}")
-    if not problems:
-        return None
-    return (f"it is a certificate for {describe_certificate(cert)} where node {node!r} at "
-            f"{host} was expected ({'; '.join(problems)})")
-
-
-def read_certificate(path: str) -> dict | None:
-    """A PEM certificate file decoded like a peer certificate (None if Python cannot)."""
-    import ssl
-    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
-    if decode is None:
-        return None
-    try:
-        return decode(path)
-    except (ssl.SSLError, OSError, ValueError) as err:
-        raise NodeConfigError(f"{path} is not a readable PEM certificate ({err})") from None
-
-
-# A certificate that expires within this long is accepted with a warning at load.
-EXPIRY_WARNING_S = 7 * 24 * 3600
-
-
-def check_validity(cert: dict, path: str, where: str, now: float | None = None) -> str | None:
-    """A certificate's validity dates against `now` (Unix seconds, default the clock): not yet
-    valid or expired -> NodeConfigError naming the file and the date; expiring within 7 days
-    -> a warning (returned); else None."""
-    import ssl
-    import time
-    now = time.time() if now is None else now
-    try:
-        not_before = ssl.cert_time_to_seconds(cert["notBefore"])
-        not_after = ssl.cert_time_to_seconds(cert["notAfter"])
-    except (KeyError, ValueError):
-        raise NodeConfigError(f"{where}={path!r} has no readable validity dates") from None
-    if now < not_before:
-        raise NodeConfigError(f"{where}={path!r} is not valid yet (from {cert['notBefore']}; "
-                              "check this machine's clock or reissue it)")
-    if now > not_after:
-        raise NodeConfigError(f"{where}={path!r} expired on {cert['notAfter']}; issue a new one "
-                              "(scripts/make_certs.sh)")
-    if not_after - now < EXPIRY_WARNING_S:
-        days = (not_after - now) / 86400
-        return (f"{where}={path!r} expires on {cert['notAfter']} (in {days:.1f} days); issue a "
-                "new one before then (scripts/make_certs.sh)")
-    return None
-
-
-def check_own_certificate(node: str, host: str, path: str, where: str) -> str | None:
-    """The certificate file configured for `node` must be within its validity dates and name
-    `node` (CN) and its host (SAN) -> a warning if it expires within 7 days, else None."""
-    cert = read_certificate(path)
-    if cert is None:
-        return None
-    warning = check_validity(cert, path, where)
-    why = identity_mismatch(cert, node, host)
-    if why:
-        raise NodeConfigError(f"{where}={path!r} cannot identify node {node!r}: {why}. Each "
-                              f"node's certificate must have CN={node!r} and a subjectAltName "
-                              f"for {host} (the address in 'nodes'); issue one per node")
-    return warning
-
-
 def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
                check_parties: tuple[str, ...], warnings: list[str] | None = None
                ) -> TLSConfig | None:
@@ -601,8 +497,11 @@ def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
                                 key=resolve(_need(entry, "key", f"link.tls.certs[{pid!r}]"),
                                             f"link.tls.certs[{pid!r}].key", check))
     for pid in check_parties:
-        warning = check_own_certificate(pid, hosts[pid], certs[pid].cert,
-                                        f"link.tls.certs[{pid!r}].cert")
+        try:
+            warning = check_own_certificate(pid, hosts[pid], certs[pid].cert,
+                                            f"link.tls.certs[{pid!r}].cert")
+        except CertificateError as err:
+            raise NodeConfigError(str(err)) from None
         if warning:
             warnings.append(warning)
     unknown = sorted(set(tls) - {"ca", "certs", "verify_depth"})
@@ -614,11 +513,13 @@ def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
         raise NodeConfigError(f"link.tls.verify_depth={depth!r} must be an integer >= 1")
     ca = resolve(_need(tls, "ca", "link.tls"), "link.tls.ca", bool(check_parties))
     if check_parties:
-        ca_cert = read_certificate(ca)
-        if ca_cert is not None:
-            warning = check_validity(ca_cert, ca, "link.tls.ca")
-            if warning:
-                warnings.append(warning)
+        try:
+            ca_cert = read_certificate(ca)
+            warning = None if ca_cert is None else check_validity(ca_cert, ca, "link.tls.ca")
+        except CertificateError as err:
+            raise NodeConfigError(str(err)) from None
+        if warning:
+            warnings.append(warning)
     return TLSConfig(ca=ca, certs=certs, verify_depth=depth)
 
 

@@ -36,8 +36,8 @@ Events (a refused connection, a dropped frame) are printed as one `[party X] fro
 line each on stderr and appended as JSON lines to `events_path`, which the party's worker
 and supervisor read to name the peer when the run then fails.
 
-Runs as its own process (`python front.py SPEC_JSON`, stdlib only: nothing here imports the
-rest of the project), started by the party's worker (`party.start_front`); on start-up it
+Runs as its own process (`python front.py SPEC_JSON`, stdlib only: it imports nothing of the
+project but its sibling certs.py), started by the party's worker (`party.start_front`); on start-up it
 prints one JSON line {"ready": true, "backend_port": P, "outbound": {node: port}} or
 {"error": "...", "kind": "address in use" | ...} and exits 2. Reads "cap N" lines on stdin
 (a new `max_message_bytes` once the prompt length is public) and "stats" lines (answers one
@@ -51,7 +51,6 @@ import dataclasses
 import errno
 import hashlib
 import hmac
-import ipaddress
 import json
 import re
 import socket
@@ -60,6 +59,11 @@ import struct
 import sys
 import time
 from typing import Any
+
+try:
+    from runtime.distributed.certs import certificate_names, san_matches
+except ImportError:   # run as a script (see above): its own folder is first on sys.path
+    from certs import certificate_names, san_matches  # type: ignore[no-redef]
 
 BRPC_MAGIC = b"PRPC"
 HELLO_MAGIC = b"MPCH"
@@ -350,35 +354,15 @@ class FrontSpec:
         return cls(**json.loads(text))
 
 
-def _san_matches(host: str, sans) -> bool:
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return any(k == "DNS" and v.lower() == host.lower() for k, v in sans)
-    for k, v in sans:
-        if k == "IP Address":
-            try:
-                if ipaddress.ip_address(v.strip()) == ip:
-                    return True
-            except ValueError:
-                continue
-    return False
-
-
 def certificate_node(cert: dict | None, peers: dict[str, dict]) -> tuple[str | None, str]:
     """The peer node a client certificate identifies by the identity rule -> (node, '') or
     (None, why not)."""
     if not cert:
         return None, "it presented no certificate"
-    cn = None
-    for rdn in cert.get("subject", ()):
-        for k, v in rdn:
-            if k == "commonName":
-                cn = v
-    sans = tuple((str(k), str(v)) for k, v in cert.get("subjectAltName", ()))
+    cn, sans = certificate_names(cert)
     if cn not in peers:
         return None, f"its certificate's CN {cn!r} is not a peer node of the config"
-    if not _san_matches(peers[cn]["host"], sans):
+    if not san_matches(peers[cn]["host"], sans):
         return None, (f"its certificate (CN={cn!r}) has no subjectAltName for {cn}'s host "
                       f"{peers[cn]['host']}")
     return cn, ""

@@ -40,9 +40,9 @@ import numpy as np
 
 from models import registry
 from models.model import Model
+from runtime.distributed.certs import identity_mismatch
 from runtime.distributed.config import (FIELD_BYTES, SHARES_PER_PARTY, NodeConfig,
-                                        NodeConfigError, check_job_bounds, identity_mismatch,
-                                        is_loopback, node_tag)
+                                        NodeConfigError, check_job_bounds, is_loopback, node_tag)
 from runtime.distributed import costs, job as job_lib, wire
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_PEER = 0, 1, 2, 3
