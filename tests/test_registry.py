@@ -12,6 +12,7 @@ exactly the tokens that head attended to with nonzero weight, whatever the polic
 clusters or masks internally. A policy with per-layer budgets (a LayerBudgetPolicy) is
 held to its own per-layer counts, whose mean must not exceed the budget.
 """
+import dataclasses
 import functools
 
 import jax
@@ -21,11 +22,14 @@ import pytest
 
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import LayerKV
-from runtime.generate import compress_cache
-from mpcache_jax.policies import POLICY_NAMES, make_policy
-from mpcache_jax.policies.base import LayerBudgetPolicy
+from mpcache_jax.policies import (POLICY_NAMES, make_policy, policy_class, policy_family,
+                                  seam_violations)
+from mpcache_jax.policies.base import (DecodeEvictionPolicy, LayerBudgetPolicy,
+                                       PromptEvictionPolicy)
+from mpcache_jax.policies.snapkv import SnapKV
 from mpcache_jax.policy import PrefillAux
 from models import registry
+from runtime.generate import compress_cache
 from tests.decode_helpers import teacher_forced_logits
 
 NO_BUDGET = ("full", "no_cache")
@@ -137,3 +141,27 @@ def test_attends_to_at_most_budget_prompt_tokens(name, budget):
             f"{name} step {step}: prompt tokens attended per layer/head {prompt.tolist()} > "
             f"budget {per_layer.tolist()}")
         assert (seen[..., PROMPT:].sum(-1) <= step + 1).all()
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_registered_policy_keeps_to_its_family_seam(name):
+    assert seam_violations(policy_class(name)) == []
+
+
+def test_the_seam_check_names_redefined_machinery_and_a_missing_required_hook():
+    @dataclasses.dataclass(frozen=True)
+    class Rewrites(SnapKV):
+        def compress(self, cache, aux, max_new_tokens):
+            return super().compress(cache, aux, max_new_tokens)
+
+    @dataclasses.dataclass(frozen=True)
+    class Half(DecodeEvictionPolicy):
+        def keep_scores(self, layer, q, k, extent, carry):
+            return k[..., 0], carry
+
+    assert seam_violations(Rewrites) == [
+        "Rewrites.compress redefines PromptEvictionPolicy's shared machinery; a "
+        "PromptEvictionPolicy writes only keep_scores, forced_keep, compress_carry, check_prompt"]
+    assert seam_violations(Half) == [
+        "Half does not write DecodeEvictionPolicy's required hook step_scores"]
+    assert policy_family(Rewrites) is PromptEvictionPolicy and policy_family(Half) is DecodeEvictionPolicy

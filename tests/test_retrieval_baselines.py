@@ -207,6 +207,14 @@ def test_kmeans_compiles_once_per_shape():
     assert P.kmeans._cache_size() == before
 
 
+def test_pqcache_refuses_a_window_that_leaves_nothing_to_select():
+    # budget 10: 4 initial tokens, a window of int(0.9 * 10) = 9 >= the 6 selectable slots.
+    with pytest.raises(ValueError, match="local window of 9 tokens leaves no top-k token in a "
+                                         "budget of 6"):
+        make_policy("pqcache", budget=10, local_ratio=0.9)
+    make_policy("pqcache", budget=10, local_ratio=0.5)   # a window of 5 leaves one
+
+
 def test_pqcache_scores_window_and_new_codes():
     rng = np.random.RandomState(0)
     keys = rng.randn(40, 4).astype(np.float32)

@@ -5,12 +5,15 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable
 
 from mpcache_jax.policy import FULL, AttentionPolicy, NoCache
 from mpcache_jax.policies import eviction, retrieval
-from mpcache_jax.policies.base import PromptEvictionPolicy, StreamingLLM
+from mpcache_jax.policies.base import (DecodeEvictionPolicy, LayerBudgetPolicy,
+                                       PromptEvictionPolicy, StreamingLLM)
 from mpcache_jax.policies.mpcache import MPCache
+from mpcache_jax.policies.quest import PageSelectionPolicy
 
 # The authors' hyperparameters (their LongBench setting): per-layer token-level static eviction
 # voted by the last 20% of prompt queries, 32(0.5) -> 16 clusters scored by the alpha bound per
@@ -49,9 +52,7 @@ POLICY_NAMES = tuple(_REGISTRY)
 
 def make_policy(name: str, budget: float | int | None = None, **overrides) -> AttentionPolicy:
     """A configured policy. `budget` (ratio of the prompt or token count) is ignored by `full`."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(POLICY_NAMES)}")
-    cls, fixed = _REGISTRY[name]
+    cls, fixed = policy_class(name), _REGISTRY[name][1]
     if cls is AttentionPolicy:
         if set(overrides) - {"softmax"}:
             raise ValueError(f"policy 'full' takes only the 'softmax' option, got {sorted(overrides)}")
@@ -66,5 +67,43 @@ def make_policy(name: str, budget: float | int | None = None, **overrides) -> At
     return cls(**settings)
 
 
+# The policy families, most specific first: a policy belongs to the first one in its MRO and
+# writes only that family's HOOKS (docs/guide.md "Adding a policy").
+FAMILIES = (MPCache, PageSelectionPolicy, DecodeEvictionPolicy, LayerBudgetPolicy,
+            PromptEvictionPolicy)
+
+
+def policy_class(name: str) -> type:
+    """The class a registered name builds."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; registered policies: {', '.join(POLICY_NAMES)}")
+    return _REGISTRY[name][0]
+
+
+def policy_family(cls: type) -> type | None:
+    """The family base of a policy class (the first of FAMILIES in its MRO), or None for the
+    general seam itself (`full`, `no_cache`)."""
+    return next((base for base in cls.__mro__ if base in FAMILIES), None)
+
+
+def seam_violations(cls: type) -> list[str]:
+    """What a policy class does outside its family's seam: a method of the family's shared
+    machinery that it (or a class between it and the family base) redefines, or a required
+    hook that none of them writes. [] for a class that keeps to the seam."""
+    family = policy_family(cls)
+    if family is None or family is cls:
+        return []
+    own = cls.__mro__[:cls.__mro__.index(family)]
+    out = [f"{klass.__name__}.{name} redefines {family.__name__}'s shared machinery; a "
+           f"{family.__name__} writes only {', '.join(family.HOOKS)}"
+           for klass in own for name, value in vars(klass).items()
+           if inspect.isfunction(value) and not name.startswith("__") and hasattr(family, name)
+           and name not in family.HOOKS]
+    out += [f"{cls.__name__} does not write {family.__name__}'s required hook {name}"
+            for name in family.REQUIRED_HOOKS if not any(name in vars(k) for k in own)]
+    return out
+
+
 __all__ = ["POLICY_NAMES", "make_policy", "AttentionPolicy", "PromptEvictionPolicy", "MPCache",
-           "StreamingLLM", "FULL"]
+           "StreamingLLM", "FULL", "FAMILIES", "policy_class", "policy_family",
+           "seam_violations"]

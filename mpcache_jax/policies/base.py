@@ -303,6 +303,11 @@ class PromptEvictionPolicy(AttentionPolicy):
     kept tokens plus every generated token.
     """
 
+    # A family's hooks: what a policy of it must write (REQUIRED_HOOKS) and may write (HOOKS).
+    # Every other method is shared machinery (`policies.seam_violations` checks a class).
+    REQUIRED_HOOKS = ("keep_scores",)
+    HOOKS = REQUIRED_HOOKS + ("forced_keep", "compress_carry", "check_prompt")
+
     budget: float | int = 0.1
     topk_method: str = "lax"
 
@@ -492,6 +497,9 @@ class DecodeEvictionPolicy(PromptEvictionPolicy):
     evictable.
     """
 
+    REQUIRED_HOOKS = ("keep_scores", "step_scores")
+    HOOKS = REQUIRED_HOOKS + ("forced_keep", "evictable")
+
     decode_window: int | None = 16
 
     def __post_init__(self):
@@ -609,6 +617,9 @@ class LayerBudgetPolicy(PromptEvictionPolicy):
     budget (B tokens per layer on average). Each layer's region has exactly its own count of
     slots (the cache is a tuple, so layers may differ in shape; all shapes stay static).
     """
+
+    REQUIRED_HOOKS = ("keep_scores", "layer_counts")
+    HOOKS = PromptEvictionPolicy.HOOKS + ("layer_counts",)
 
     def layer_counts(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
         raise NotImplementedError

@@ -101,6 +101,11 @@ class MPCache(PromptEvictionPolicy):
       public (it counts generated tokens), so it reveals nothing.
     """
 
+    # A family of its own (it uses PromptEvictionPolicy's finer hooks: keep_mask, compress,
+    # attend, ...): its registered variants differ in settings, not in code.
+    REQUIRED_HOOKS = ()
+    HOOKS = ()
+
     name: str = "mpcache"
     needs_queries: bool = True    # set from `static` (only static eviction votes with them)
     topk_method: str = "rank"

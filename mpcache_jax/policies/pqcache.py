@@ -87,14 +87,12 @@ class PQCache(PageSelectionPolicy):
     def window_tokens(self, prompt_len: int) -> int:
         return int(self.local_ratio * P.budget_tokens(self.budget, prompt_len))
 
-    def layout(self, prompt_len):
-        lay = super().layout(prompt_len)
-        if not lay.full and self.window_tokens(prompt_len) >= lay.selected:
+    def check_layout(self, lay, prompt_len):
+        if self.window_tokens(prompt_len) >= lay.selected:
             raise ValueError(f"policy {self.name!r}: the local window of "
                              f"{self.window_tokens(prompt_len)} "
                              f"tokens leaves no top-k token in a budget of {lay.selected} "
                              "(after the initial tokens); lower local_ratio or raise the budget")
-        return lay
 
     def digest(self, layer, k_mid, valid_mid, q, k_prompt, lay, new_capacity):
         centroids, codes = pq_encode(k_mid, self.subspaces, self.bits, self.kmeans_iters,

@@ -73,6 +73,9 @@ def _layout(policy, prompt_len: int) -> Layout:
 class PageSelectionPolicy(PromptEvictionPolicy):
     """Per-step top pages by `page_scores`; subclasses give `digest` and `page_scores`."""
 
+    REQUIRED_HOOKS = ("digest", "page_scores")
+    HOOKS = REQUIRED_HOOKS + ("forced_pages", "after_select", "static_local", "check_layout")
+
     page_size: int = 16
     num_initial: int = 0
     local_ratio: float = 0.0
@@ -115,6 +118,10 @@ class PageSelectionPolicy(PromptEvictionPolicy):
         """Most recent prompt tokens always attended (a fixed slice at the end)."""
         return math.floor(self.local_ratio * budget)
 
+    def check_layout(self, lay: Layout, prompt_len: int) -> None:
+        """Raise a clear error when a pruning layout leaves this policy nothing to select
+        (default: every layout that holds a page serves)."""
+
     # --- shared machinery ------------------------------------------------------------------
     def layout(self, prompt_len: int) -> Layout:
         """The static layout of a prompt of `prompt_len` tokens."""
@@ -131,9 +138,11 @@ class PageSelectionPolicy(PromptEvictionPolicy):
                 f"after {self.num_initial} initial and {local} local tokens, less than one page of "
                 f"{s}; raise the budget or lower page_size, num_initial or local_ratio")
         C = math.ceil((T - self.num_initial - local) / s)
-        return Layout(T, self.num_initial, local, s, C, free // s, False,
-                      middle=T - self.num_initial - local, local=local, selected=free // s,
-                      pages=C)
+        lay = Layout(T, self.num_initial, local, s, C, free // s, False,
+                     middle=T - self.num_initial - local, local=local, selected=free // s,
+                     pages=C)
+        self.check_layout(lay, prompt_len)
+        return lay
 
     def layout_of(self, extent: E.Extent) -> Layout:
         """The layout of a prompt of this extent: the static layout, or (bucketed prompt)
