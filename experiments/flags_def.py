@@ -73,7 +73,7 @@ flags.DEFINE_string("runtime_config", None,
                     "fxp_exp_mode, ...), optionally wrapped as {runtime_config, parties}.")
 flags.DEFINE_list("seq_lens", ["512", "1024", "2048"], "Cache lengths (prompt tokens) to cost.")
 flags.DEFINE_string("mpc_bench", "decode",
-                    "A benchmark registered in experiments.mpc_cost.BENCHMARKS (its docstring "
+                    "A benchmark registered in experiments.cost.BENCHMARKS (its docstring "
                     "lists them): decode (per-token decode cost per policy), gather (Table 2), "
                     "gather_dtype, repeat_noise, topk (lax vs rank), norm (one vs two rsqrt), rounds, "
                     "matmul (one secret matmul per shape), generate (secure greedy generation of "

@@ -25,13 +25,13 @@ def main(argv: list[str]) -> int:
     if shape is not None and shape[:1] == "{":
         shape = json.loads(shape)
     overrides = json.loads(argv[3]) if len(argv) == 4 else {}
-    from experiments import fault_cases as fc
+    from experiments.faults import harness
     from runtime.distributed.launch import free_ports, run_loopback
     out = pathlib.Path(argv[1])
-    job = dict(fc.TINY_JOB, policy="full", policy_options={}, budget=None, max_new_tokens=8,
+    job = dict(harness.TINY_JOB, policy="full", policy_options={}, budget=None, max_new_tokens=8,
                seq_len=32)
     job.update(overrides)
-    raw = fc.node_config(3, "ABY3", free_ports(3), job=job,
+    raw = harness.node_config(3, "ABY3", free_ports(3), job=job,
                          **({"shape": shape} if shape is not None else {}))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "nodes.json"

@@ -128,7 +128,7 @@ def run_plaintext(FLAGS, loaded, prompt_ids, name, policy) -> None:
 
 def run_secure(FLAGS, loaded, prompt_ids, name, budget, policy) -> None:
     """Private generation in SPU's simulator, checked against the plaintext run."""
-    from experiments.mpc_cost import mpc_config
+    from experiments.cost.harness import mpc_config
     from runtime import mpc
     from runtime.distributed.costs import generation_records
     from runtime.mpc.costs import cost_fields

@@ -23,37 +23,34 @@ Each method is compared in up to three variants of our side:
   ours          the registered policy at the budget (make_policy(name, budget));
   ours+kvp.hp   our policy with kvpress's hyperparameters where they are options (window,
                 kernel, prefill-only eviction) and kvpress's exact kept count as the budget;
-  kvpress rule  a re-implementation of kvpress's scoring rule on our model (defined below,
+  kvpress rule  a re-implementation of kvpress's scoring rule on our model (kvpress_methods.py,
                 diagnostic only, not a registered policy): shows whether what remains is the
                 rule itself or numerics.
-Outputs in --output_dir: crosscheck.jsonl (one record per prompt x method x budget x variant),
+The methods and kvpress's rules are in kvpress_methods.py, the comparison and summary.md in
+kvpress_report.py. Outputs in --output_dir: crosscheck.jsonl (one record per prompt x method x budget x variant),
 summary.md (table + explanation of each difference), prompts/ and kvpress/ (the exchange
 files; a rerun reuses kvpress records of the same job). --report_only rewrites summary.md
 from an existing crosscheck.jsonl.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import pathlib
 import subprocess
 import time
-from typing import Callable
 
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 from tqdm import tqdm
 
 from experiments import tasks
-from experiments.common import REPO_ROOT, ensure_dir, git_commit, write_jsonl
-from runtime.generate import apply_policy, decode_tokens, prefill_prompt
+from experiments.common import REPO_ROOT, ensure_dir, write_jsonl
+from experiments.kvpress_methods import METHOD_NAMES, METHODS, Method, run_key
+from experiments.kvpress_report import greedy_agreement, kept_overlap, write_summary
 from mpcache_jax.policies import make_policy
-from mpcache_jax.policies.base import causal_attention_mass, window_attention_mass
-from mpcache_jax.policies.h2o import H2O
-from mpcache_jax.policies.pyramidkv import PyramidKV
+from runtime.generate import apply_policy, decode_tokens, prefill_prompt
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", "results/kvpress_crosscheck", "where results are written")
@@ -70,138 +67,6 @@ flags.DEFINE_string("model", "smollm2-135m", "our model (must be the GGUF SmolLM
 flags.DEFINE_bool("report_only", False, "rewrite summary.md from --output_dir's crosscheck.jsonl")
 
 SIDE_SCRIPT = REPO_ROOT / "experiments" / "kvpress_side.py"
-
-
-# --- kvpress's rules on our model (diagnostic variants, not registered policies) ------------
-
-def avg_pool_1d(x: jnp.ndarray, kernel: int) -> jnp.ndarray:
-    """torch's avg_pool1d(kernel, stride 1, padding kernel // 2) with count_include_pad: the
-    zero-padded window sum over the last axis divided by `kernel`."""
-    half = kernel // 2
-    T = x.shape[-1]
-    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)])
-    return sum(padded[..., i:i + T] for i in range(kernel)) / kernel
-
-
-def static_length(extent) -> int:
-    """The prompt length handed to keep_scores: an int (static-length policy API) or an
-    mpcache_jax.extent.Extent (bucketing API); the diagnostic rules need a static length."""
-    if isinstance(extent, (int, np.integer)):
-        return int(extent)
-    if not extent.static:
-        raise ValueError("the kvpress-rule diagnostics support static prompt lengths only")
-    return int(extent.length)
-
-
-@dataclasses.dataclass(frozen=True)
-class KvpressSnapKVRule(PyramidKV):
-    """kvpress's SnapKVPress / PyramidKVPress selection: window votes average-pooled (ours:
-    max-pooled), the window kept, and the given kept count per layer (window included)."""
-
-    name: str = "kvpress_snapkv_rule"
-    counts: tuple[int, ...] = ()
-
-    def layer_counts(self, num_layers, prompt_len):
-        if len(self.counts) != num_layers:
-            raise ValueError(f"{len(self.counts)} layer counts for {num_layers} layers")
-        return self.counts
-
-    def keep_scores(self, layer, q, k, extent, carry):
-        prompt_len = static_length(extent)
-        window = min(self.window, prompt_len)
-        votes = jnp.sum(window_attention_mass(q, k, window), axis=1)          # [H_kv, T]
-        prefix = (np.arange(prompt_len) < prompt_len - window).astype(np.float32)
-        return avg_pool_1d(votes * prefix, self.kernel), carry
-
-
-@dataclasses.dataclass(frozen=True)
-class KvpressObservedAttentionRule(H2O):
-    """kvpress's ObservedAttentionPress: attention received averaged over the queries that
-    can see the token (ours: summed), no protected recent window, no eviction while decoding
-    (use with decode_window=None)."""
-
-    name: str = "kvpress_observed_attention_rule"
-
-    def keep_scores(self, layer, q, k, extent, carry):
-        prompt_len = static_length(extent)
-        received = jnp.sum(causal_attention_mass(q, k), axis=1)              # [H_kv, T]
-        return received / np.arange(prompt_len, 0, -1, dtype=np.float32), carry
-
-    def forced_keep(self, extent, count):
-        return None
-
-
-# --- the methods both sides implement ------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """One method: the kvpress press (+ options) and our variants.
-
-    variants(budget, counts) -> [(label, policy)]; counts = kvpress's kept count per layer for
-    this prompt and budget (a tuple of L ints), known after the kvpress side ran.
-    """
-
-    name: str
-    press: str
-    press_options: dict
-    variants: Callable[[float, tuple], list]
-
-
-def _uniform(counts) -> int:
-    if len(set(counts)) != 1:
-        raise ValueError(f"expected one kept count for every layer, got {sorted(set(counts))}")
-    return int(counts[0])
-
-
-def _pyramid_with_kvpress_hp(budget: float, counts, window: int):
-    """Ours closest to kvpress's PyramidKVPress: its window and kernel; where kvpress fell back
-    to one count for every layer, our SnapKV with that count, else our pyramid."""
-    if len(set(counts)) == 1:
-        return make_policy("snapkv", int(counts[0]), window=window, kernel=5)
-    return make_policy("pyramidkv", budget, window=window, kernel=5)
-
-
-METHODS = (
-    Method("streaming_llm", "StreamingLLMPress", {}, lambda b, c: [
-        ("ours", make_policy("streaming_llm", b)),
-        ("ours+kvp.hp", make_policy("streaming_llm", _uniform(c), num_sinks=4)),
-    ]),
-    Method("snapkv", "SnapKVPress", {}, lambda b, c: [
-        ("ours", make_policy("snapkv", b)),
-        ("ours+kvp.hp", make_policy("snapkv", _uniform(c), window=64, kernel=5)),
-        ("kvpress rule", KvpressSnapKVRule(budget=_uniform(c), window=64, kernel=5,
-                                           counts=tuple(c))),
-    ]),
-    Method("tova", "TOVAPress", {}, lambda b, c: [
-        ("ours", make_policy("tova", b)),
-        ("ours+kvp.hp", make_policy("tova", _uniform(c), decode_window=None)),
-    ]),
-    Method("h2o", "ObservedAttentionPress", {}, lambda b, c: [
-        ("ours", make_policy("h2o", b)),
-        ("ours+kvp.hp", make_policy("h2o", _uniform(c), decode_window=None)),
-        ("kvpress rule", KvpressObservedAttentionRule(budget=_uniform(c), decode_window=None)),
-    ]),
-    # kvpress's PyramidKVPress falls back to uniform SnapKV budgets unless the top layer's
-    # share (kept / beta) reaches its window: never at <= 1280 kept tokens with window 64.
-    Method("pyramidkv", "PyramidKVPress", {}, lambda b, c: [
-        ("ours", make_policy("pyramidkv", b)),
-        ("ours+kvp.hp", _pyramid_with_kvpress_hp(b, c, window=64)),
-        ("kvpress rule", KvpressSnapKVRule(budget=max(c), window=64, kernel=5,
-                                           counts=tuple(c))),
-    ]),
-    # With a 4-token window kvpress's pyramid does engage at 10-20% of ~1k tokens.
-    Method("pyramidkv_w4", "PyramidKVPress", {"window_size": 4}, lambda b, c: [
-        ("ours+kvp.hp", _pyramid_with_kvpress_hp(b, c, window=4)),
-        ("kvpress rule", KvpressSnapKVRule(budget=max(c), window=4, kernel=5,
-                                           counts=tuple(c))),
-    ]),
-)
-METHOD_NAMES = tuple(m.name for m in METHODS)
-
-
-def run_key(method: Method, budget: float) -> str:
-    return f"{method.name}@{budget:g}"
-
 
 # --- prompts ---------------------------------------------------------------------------------
 
@@ -362,233 +227,6 @@ def our_prompt_runs(lm, prompt_ids, jobs, max_new_tokens: int, bar) -> tuple[dic
                               "seconds": round(time.perf_counter() - start, 2)}
         bar.update(1)
     return full, runs
-
-
-# --- comparison ------------------------------------------------------------------------------
-
-def truncate(tokens, stop_ids) -> list[int]:
-    """Tokens up to and including the first stop token."""
-    out = []
-    for t in tokens:
-        out.append(int(t))
-        if int(t) in stop_ids:
-            break
-    return out
-
-
-def greedy_agreement(ours, theirs, stop_ids) -> dict:
-    a, b = truncate(ours, stop_ids), truncate(theirs, stop_ids)
-    prefix = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        prefix += 1
-    return {"exact": a == b, "common_prefix": prefix, "length_ours": len(a),
-            "length_kvpress": len(b)}
-
-
-def kept_overlap(ours: np.ndarray, theirs: np.ndarray) -> dict:
-    """Per layer and KV head Jaccard and recall of kvpress's set, averaged; kept counts."""
-    inter = (ours & theirs).sum(-1).astype(np.float64)
-    union = (ours | theirs).sum(-1)
-    return {"jaccard": float((inter / np.maximum(union, 1)).mean()),
-            "recall": float((inter / np.maximum(theirs.sum(-1), 1)).mean()),
-            "kept_ours": float(ours.sum(-1).mean()), "kept_kvpress": float(theirs.sum(-1).mean()),
-            "jaccard_per_layer": (inter / np.maximum(union, 1)).mean(-1).round(4).tolist()}
-
-
-# --- report ----------------------------------------------------------------------------------
-
-EXPLANATIONS = {
-    "budget": (
-        "**Budget accounting.** Ours keeps ceil(budget x T) prompt tokens per layer; kvpress "
-        "keeps int(T x (1 - compression_ratio)) and 1 - 0.9 = 0.09999999999999998 in floating "
-        "point, so it floors e.g. 99.99999999999997 to 99 (PyramidKVPress's fallback uses "
-        "round() instead). Measured kept counts per layer, ours / kvpress: {counts}. Both "
-        "compress the whole prompt here: the crosscheck prefills the full prompt (question "
-        "included) under the press, as our policies do; kvpress's own pipeline would compress "
-        "only the context and append the question uncompressed. Both attend to every "
-        "generated token afterwards."),
-    "numerics": (
-        "**Numerics.** Our JAX SmolLM2 and transformers' LlamaForCausalLM (same GGUF, float32) "
-        "agree to ~1e-4 in logits (the `full` row). Where both sides apply the same rule, a "
-        "Jaccard just below 1 is a near-tie in the scores flipped by float32 rounding (torch vs "
-        "XLA), not a difference of method; identical kept sets gave identical greedy tokens."),
-    "streaming_llm": (
-        "**StreamingLLM.** Same rule on both sides: 4 sink tokens + the most recent tokens, one "
-        "set for every layer and head. The only difference is the count (above): with "
-        "kvpress's count (`ours+kvp.hp`) the kept sets are identical."),
-    "snapkv": (
-        "**SnapKV.** Same structure (the last `window` queries vote, votes smoothed along the "
-        "sequence, top-k per KV head, the window always kept, GQA votes pooled over the "
-        "group), different hyperparameters and smoothing: kvpress window 64, kernel 5, "
-        "*average* pooling (zero padding counted) of votes averaged over the window and the "
-        "group; ours window 32, kernel 7, *max* pooling of votes summed over window and group "
-        "(the SnapKV reference code makes the pooling configurable, average by default; "
-        "ours is fixed to max). Sum vs mean does not change a ranking; the "
-        "window, the kernel and max vs average pooling do. `ours+kvp.hp` matches window, "
-        "kernel and count (max pooling remains: it is not an option of ours); `kvpress rule` "
-        "also average-pools."),
-    "tova": (
-        "**TOVA.** Same prefill rule: the last prompt query's attention averaged over all 9 "
-        "heads, one set per layer. kvpress scores only the keys before the last token and "
-        "forces the last token in; ours scores all keys (the last token's own attention is "
-        "high, so it is kept anyway). The difference is in decoding: kvpress's TOVAPress "
-        "compresses only at prefill; our TOVA keeps evicting while decoding once its 16 "
-        "decode slots are full (`decode_window`), so from the 17th new token on it attends to "
-        "a different set. `ours+kvp.hp` = kvpress's count and `decode_window=None` (prefill "
-        "only)."),
-    "h2o": (
-        "**H2O vs ObservedAttentionPress** (kvpress's H2O-like press; it needs eager attention "
-        "to read the attention matrix). Both score a token by the attention it receives from "
-        "every prompt query, per KV head (GQA group pooled). kvpress divides that sum by the "
-        "number of queries that can see the token (T - t, causal), which lifts late tokens, "
-        "and keeps the top-k with nothing forced; ours (the H2O paper) sums without "
-        "normalising, keeps the newest half of the budget as a recent window and the best "
-        "half as heavy hitters, and keeps evicting while decoding. Only the decode eviction "
-        "and the count are options of ours (`ours+kvp.hp`); `kvpress rule` = mean over "
-        "visible queries, no recent window, prefill-only."),
-    "pyramidkv": (
-        "**PyramidKV.** kvpress's PyramidKVPress computes per-layer budgets as in "
-        "KVCache-Factory: the top layer gets kept/beta, the bottom 2 x kept - kept/beta, the "
-        "window counted inside each layer's budget, rounded; but it falls back to uniform "
-        "SnapKV budgets (round(T x (1 - ratio)) per layer) whenever kept/beta < window, i.e. "
-        "with window 64 and beta 20 for every budget below 1280 kept tokens: on ~1k-token "
-        "prompts kvpress's PyramidKV *is* SnapKV (window 64, kernel 5, average pooling). Ours "
-        "always applies the pyramid (window 32 outside it, the remaining budget spread "
-        "R/beta .. 2R - R/beta, floored). `ours+kvp.hp` is therefore our SnapKV with window "
-        "64, kernel 5 and kvpress's count; `kvpress rule` adds average pooling. "
-        "`pyramidkv_w4` runs kvpress with window_size=4 so that its pyramid engages (kept/20 "
-        ">= 4): our PyramidKV with window 4, kernel 5 then differs in the layer budgets "
-        "(window inside vs outside the pyramid, round vs floor) and in pooling; `kvpress "
-        "rule` uses kvpress's recorded per-layer counts and average pooling. PyramidKVPress "
-        "itself runs here because decoding uses sdpa attention; with eager attention (which "
-        "ObservedAttentionPress needs) decoding after an engaged pyramid fails with 'The size "
-        "of tensor a (378) must match the size of tensor b (391) at non-singleton dimension "
-        "3': transformers builds one causal mask from layer 0's cache length, and the layers "
-        "hold different counts (the error ../shared/STACK.md recorded)."),
-}
-
-
-def aggregate(records: list[dict]) -> list[dict]:
-    """Mean over prompts per (method, budget, variant), in first-seen order."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault((r["method"], r["budget"], r["variant"]), []).append(r)
-    rows = []
-    for (method, budget, variant), rs in groups.items():
-        ok = [r for r in rs if r.get("error") is None]
-        row = {"method": method, "budget": budget, "variant": variant, "n": len(rs),
-               "errors": len(rs) - len(ok)}
-        if ok:
-            with_kept = [r for r in ok if r.get("jaccard") is not None]
-            for field in ("jaccard", "recall", "kept_ours", "kept_kvpress"):
-                row[field] = (float(np.mean([r[field] for r in with_kept]))
-                              if with_kept else None)
-            row["exact"] = sum(r["exact"] for r in ok)
-            row["common_prefix"] = float(np.mean([r["common_prefix"] for r in ok]))
-            row["length_kvpress"] = float(np.mean([r["length_kvpress"] for r in ok]))
-            row["max_logit_diff"] = (max(r["max_logit_diff"] for r in ok)
-                                     if "max_logit_diff" in ok[0] else None)
-        rows.append(row)
-    return rows
-
-
-def _fmt(value, pattern="{:.3f}") -> str:
-    return "-" if value is None else pattern.format(value)
-
-
-def table(rows: list[dict], max_new_tokens: int) -> str:
-    head = ("| method | budget | variant | kept/layer ours / kvpress | Jaccard | recall | "
-            "greedy exact | common prefix / kvpress length |\n"
-            "|---|---|---|---|---|---|---|---|\n")
-    lines = []
-    for r in rows:
-        if r.get("exact") is None:
-            lines.append(f"| {r['method']} | {r['budget']} | {r['variant']} | kvpress failed "
-                         f"on {r['errors']}/{r['n']} prompts | | | | |")
-            continue
-        kept = (f"{_fmt(r['kept_ours'], '{:.1f}')} / {_fmt(r['kept_kvpress'], '{:.1f}')}"
-                if r.get("kept_ours") is not None else "-")
-        extra = f" (max abs logit diff {r['max_logit_diff']:.1e})" if r.get("max_logit_diff") else ""
-        lines.append(f"| {r['method']} | {r['budget']} | {r['variant']}{extra} | {kept} | "
-                     f"{_fmt(r.get('jaccard'))} | {_fmt(r.get('recall'))} | "
-                     f"{r['exact']}/{r['n'] - r['errors']} | "
-                     f"{r['common_prefix']:.1f} / {r['length_kvpress']:.1f} |")
-    return head + "\n".join(lines) + "\n"
-
-
-def budget_counts(records: list[dict]) -> str:
-    """Mean kept tokens per layer of the registered (`ours`) variants vs kvpress, grouped:
-    'budget 0.1 of T = 1000: 100 / 99 (h2o, snapkv), ...'."""
-    pairs: dict[tuple, dict[tuple, set]] = {}
-    for r in records:
-        if r.get("variant") == "ours" and r.get("kept_ours") is not None:
-            pairs.setdefault((r["budget"], r["prompt_tokens"]), {}).setdefault(
-                (r["kept_ours"], r["kept_kvpress"]), set()).add(r["method"])
-    parts = []
-    for (budget, T), counts in sorted(pairs.items()):
-        listed = ", ".join(f"{ours:g} / {theirs:g} ({', '.join(sorted(methods))})"
-                           for (ours, theirs), methods in sorted(counts.items()))
-        parts.append(f"budget {budget:g} of T = {T}: {listed}")
-    return "; ".join(parts)
-
-
-def verdicts(rows: list[dict]) -> list[str]:
-    """Per method: the first variant of ours that keeps exactly kvpress's tokens (Jaccard
-    >= 0.999 at every budget) and whether its greedy outputs then all agree."""
-    lines = []
-    for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
-        mine = [r for r in rows if r["method"] == method and r.get("jaccard") is not None]
-        budgets = {r["budget"] for r in mine}
-        for variant in dict.fromkeys(r["variant"] for r in mine):
-            vr = [r for r in mine if r["variant"] == variant]
-            if len(vr) == len(budgets) and all(r["jaccard"] >= 0.999 for r in vr):
-                same = all(r["exact"] == r["n"] - r["errors"] for r in vr)
-                outputs = "all identical" if same else "NOT all identical"
-                lines.append(f"- {method}: `{variant}` keeps the same tokens as kvpress (Jaccard "
-                             f">= 0.999 in every record); greedy outputs {outputs}.")
-                break
-        else:
-            lines.append(f"- {method}: no variant of ours keeps exactly kvpress's tokens.")
-    return lines
-
-
-def write_summary(out: pathlib.Path, records: list[dict], max_new_tokens: int) -> str:
-    """summary.md from the records: the table, kvpress failures, the explanations."""
-    rows = aggregate(records)
-    prompts = sorted({(r["prompt"], r["prompt_tokens"]) for r in records})
-    failures = sorted({(r["prompt"], r["method"], r["budget"], r["error"])
-                       for r in records if r.get("error")})
-    text = [
-        "# Our baselines vs NVIDIA kvpress 0.5.5 (SmolLM2-135M-Instruct, same GGUF)",
-        "",
-        "`bash scripts/kvpress_env.sh && .venv/bin/python -m experiments.kvpress_crosscheck "
-        f"--output_dir={FLAGS.output_dir}`  (commit {git_commit()})",
-        "",
-        f"{len(prompts)} prompts ({', '.join(p for p, _ in prompts)}; "
-        f"{sorted({t for _, t in prompts})} tokens); {max_new_tokens} greedy tokens from the "
-        "compressed cache, compared up to the first stop token. Jaccard / recall = "
-        "|ours n kvpress| / |ours u kvpress| and / |kvpress| per layer and KV head, averaged "
-        "over layers, heads and prompts. `ours` = the registered policy; `ours+kvp.hp` = ours "
-        "with kvpress's hyperparameters and kept count; `kvpress rule` = kvpress's scoring "
-        "re-implemented on our model (diagnostic).",
-        "",
-        table(rows, max_new_tokens),
-    ]
-    text += ["## Verdict per method", ""] + verdicts(rows) + [""]
-    if failures:
-        text += ["## kvpress failures", ""]
-        text += [f"- {method} at {budget:g} on {prompt}: {error}"
-                 for prompt, method, budget, error in failures]
-        text.append("")
-    text += ["## Differences, from reading both implementations", ""]
-    text += [EXPLANATIONS["budget"].format(counts=budget_counts(records)) + "\n"]
-    text += [EXPLANATIONS[m] + "\n" for m in EXPLANATIONS if m != "budget"]
-    body = "\n".join(text)
-    (out / "summary.md").write_text(body)
-    return table(rows, max_new_tokens)
-
 
 # --- main ------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from experiments import fault_cases as fc
+from experiments.faults import cases, forge, harness, kinds
 from runtime.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_config,
                                  parse_node_config, run_loopback)
 from runtime.distributed import config as config_lib
@@ -28,15 +28,15 @@ from runtime.distributed.launch import (free_ports, prepare_config, start_partie
                                         wait_parties)
 from runtime.distributed.party import run_party, warn_if_insecure
 from runtime.distributed.supervise import supervise
-from experiments.fault_cases import node_config as loopback_node_config
+from experiments.faults.harness import node_config as loopback_node_config
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NODES = REPO / "experiments" / "nodes"
-TINY_JOB = {**fc.TINY_JOB, "reveal_logits": True}   # the fault cases' job, logits revealed
+TINY_JOB = {**harness.TINY_JOB, "reveal_logits": True}   # the fault cases' job, logits revealed
 
 
 def node_config(parties: int, protocol: str, **link) -> dict:
-    """The loopback config of experiments/fault_cases.py with this file's job (logits revealed
+    """The loopback config of experiments/faults/harness.py with this file's job (logits revealed
     for the comparisons)."""
     return loopback_node_config(parties, protocol, job=TINY_JOB, **link)
 
@@ -298,7 +298,7 @@ def test_party_cli_rejects_a_bad_config_before_starting(tmp_path, case):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (out.exists() and list(out.glob("party_*.log")))
-    assert not fc.processes_mentioning(str(out))
+    assert not harness.processes_mentioning(str(out))
 
 
 def test_a_repeated_key_is_refused_at_load(tmp_path):
@@ -316,8 +316,8 @@ def test_a_repeated_key_is_refused_at_load(tmp_path):
 
 def _tls_config(tmp_path, node0_days: int):
     parties = ["node:0", "node:1", "node:2"]
-    fc.make_certs(tmp_path / "certs", parties)
-    fc.issue_cert(tmp_path / "certs", "node_0", "node:0", days=node0_days)
+    harness.make_certs(tmp_path / "certs", parties)
+    harness.issue_cert(tmp_path / "certs", "node_0", "node:0", days=node0_days)
     return write(tmp_path, node_config(3, "ABY3", tls=tls_section(parties)))
 
 
@@ -478,7 +478,7 @@ def test_example_node_configs_are_valid(name):
 # ----- TLS ----------------------------------------------------------------------------------
 
 def tls_section(parties: list[str], ca: str = "certs/ca.crt") -> dict:
-    return fc.tls_section({p: fc.tag(p) for p in parties}, ca)
+    return harness.tls_section({p: harness.tag(p) for p in parties}, ca)
 
 
 def test_tls_between_parties(tmp_path):
@@ -505,25 +505,25 @@ def run_parties(tmp_path, plan: dict, judges, timeout=120.0):
     judge's 'linking' line (else from the start) to the last judge's exit)."""
     out = tmp_path / "out"
     start = time.monotonic()
-    procs = {pid: fc.start_party(path, pid, out, prelude) for pid, (path, prelude) in plan.items()}
+    procs = {pid: harness.start_party(path, pid, out, prelude) for pid, (path, prelude) in plan.items()}
     linking = None
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(procs[j].poll() is None for j in judges):
-            if linking is None and any("] linking to " in fc.log_text(out, j) for j in judges):
+            if linking is None and any("] linking to " in harness.log_text(out, j) for j in judges):
                 linking = time.monotonic()
             time.sleep(0.05)
         elapsed = time.monotonic() - (linking or start)
         codes = {pid: p.poll() for pid, p in procs.items()}
     finally:
-        fc.kill_all(procs)
-    return codes, {j: fc.error_line(out, j) for j in judges}, elapsed
+        harness.kill_all(procs)
+    return codes, {j: harness.error_line(out, j) for j in judges}, elapsed
 
 
 def tls_config(tmp_path, **files) -> dict:
     raw = node_config(3, "ABY3", connect_timeout_s=20)
     raw["nodes"] = {p: f"127.0.0.1:{port}" for p, port in zip(PARTIES3, free_ports(3))}
-    _spu(raw)["link"]["tls"] = fc._tls_files(tmp_path, PARTIES3, **files)
+    _spu(raw)["link"]["tls"] = cases.tls_files(tmp_path, PARTIES3, **files)
     return raw
 
 
@@ -545,13 +545,13 @@ def test_a_certificate_for_the_wrong_node_is_refused_naming_both(tmp_path, varia
 
     hostile = write(tmp_path, raw, "hostile.json")
     if shared:
-        plan = {p: (hostile, fc.SKIP_OWN_CERT_CHECK) for p in PARTIES3}
+        plan = {p: (hostile, harness.SKIP_OWN_CERT_CHECK) for p in PARTIES3}
         judges = PARTIES3
     else:
         honest_raw = json.loads(json.dumps(raw))
-        _spu(honest_raw)["link"]["tls"] = fc.tls_section({p: fc.tag(p) for p in PARTIES3})
+        _spu(honest_raw)["link"]["tls"] = harness.tls_section({p: harness.tag(p) for p in PARTIES3})
         honest = write(tmp_path, honest_raw, "honest.json")
-        plan = {"node:0": (honest, None), "node:1": (hostile, fc.SKIP_OWN_CERT_CHECK),
+        plan = {"node:0": (honest, None), "node:1": (hostile, harness.SKIP_OWN_CERT_CHECK),
                 "node:2": (honest, None)}
         judges = ["node:0", "node:2"]
     codes, lines, elapsed = run_parties(tmp_path, plan, judges)
@@ -597,8 +597,8 @@ def test_a_signal_to_the_launcher_leaves_no_party_and_no_results(tmp_path, signu
     """`experiments.party --party=all` signalled once every party is linked: SIGTERM makes it
     kill every party and exit 143; SIGKILL (a crash) takes the parties with it (they die with
     their parent). No party process is left and none writes results.jsonl / outputs.npz."""
-    case = fc.LauncherSignalCase("launcher", signum, "", "")
-    observed = case.run(fc.Context(tmp_path))
+    case = kinds.LauncherSignalCase("launcher", signum, "", "")
+    observed = case.run(kinds.Context(tmp_path))
     want = 143 if signum == signal.SIGTERM else -9
     assert observed.exit_codes == f"launcher {want}", observed
     assert observed.note == "no party process, no result file", observed
@@ -637,15 +637,15 @@ def test_party_table_pools_runs_and_prints_ratios_to_full(tmp_path):
 
 # ----- the front door (issue 32) -------------------------------------------------------------
 
-FRONT_CASES = {case.name: case for case in fc._front_cases()}
+FRONT_CASES = {case.name: case for case in cases.front_cases()}
 
 
 @pytest.mark.parametrize("name", sorted(FRONT_CASES))
 def test_the_front_drops_a_hostile_frame_and_names_the_peer(tmp_path, name):
-    """Each forged frame of experiments/fault_cases.py against a real front process: the
+    """Each forged frame of experiments/faults/cases.py against a real front process: the
     connection is closed with a line naming the peer, nothing of it reaches brpc, the front
     still answers the hello."""
-    observed = FRONT_CASES[name].run(fc.Context(tmp_path))
+    observed = FRONT_CASES[name].run(kinds.Context(tmp_path))
     assert observed.passed, (observed.error, observed.note)
 
 
@@ -653,7 +653,7 @@ def test_front_parses_the_frames_spu_sends():
     """A Push as SPU 0.9.5 frames it (a chunk of a 3 MB message, read off the wire) parses to
     its rank, key, chunk length and offset; a header alone waits for the body."""
     from runtime.distributed import front
-    frame = fc.forge_frame(2, b"l.run:P2P-7:2->0", b"z" * 100, message_length=3000, chunk_offset=200)
+    frame = forge.forge_frame(2, b"l.run:P2P-7:2->0", b"z" * 100, message_length=3000, chunk_offset=200)
     push = front.parse_frame(bytearray(frame + b"PRPC"), 1 << 20)
     assert (push.sender_rank, push.key, push.chunk_bytes, push.message_length,
             push.chunk_offset, push.frame_bytes) == (2, b"l.run:P2P-7:2->0", 100, 3000, 200,
@@ -665,17 +665,17 @@ def test_front_parses_the_frames_spu_sends():
     front.check_push(push, **rules)
     assert ledger.buffered == 3000
     with pytest.raises(front.FrameError, match="unfinished messages of 6,000 bytes"):
-        front.check_push(front.parse_frame(bytearray(fc.forge_frame(
+        front.check_push(front.parse_frame(bytearray(forge.forge_frame(
             2, b"l.run:P2P-8:2->0", b"z", message_length=3000)), 1 << 20), **rules)
     with pytest.raises(front.FrameError, match="restating its message's length"):
-        front.check_push(front.parse_frame(bytearray(fc.forge_frame(
+        front.check_push(front.parse_frame(bytearray(forge.forge_frame(
             2, b"l.run:P2P-7:2->0", b"z", message_length=2999)), 1 << 20), **rules)
     with pytest.raises(front.FrameError, match=r"\(2->1\) on a connection from rank 2 to this "
                                                r"party \(rank 0\)"):
-        front.check_push(front.parse_frame(bytearray(fc.forge_frame(
+        front.check_push(front.parse_frame(bytearray(forge.forge_frame(
             2, b"l.run:P2P-9:2->1")), 1 << 20), **rules)
     with pytest.raises(front.FrameError, match="another service"):
-        front.parse_frame(bytearray(fc.forge_frame(2, b"k", service=b"evil.Service")), 1 << 20)
+        front.parse_frame(bytearray(forge.forge_frame(2, b"k", service=b"evil.Service")), 1 << 20)
     with pytest.raises(front.FrameError, match="not a brpc frame"):
         front.parse_frame(bytearray(b"\x80\x04\x95pickle..."), 1 << 20)
 
@@ -710,10 +710,10 @@ def test_a_shaping_front_relays_every_frame_intact(tmp_path):
     """With a delay and a rate, the checked frames still reach brpc whole and in order."""
     import socket
     from runtime.distributed import front
-    proc, spec, backend, received = fc.start_test_front(
+    proc, spec, backend, received = forge.start_test_front(
         tmp_path, free_ports(1)[0], spec_overrides={"delay_s": 0.02, "rate_bytes_s": 2e6})
     try:
-        frames = [fc.forge_frame(0, f"test.3pc.run:P2P-{i}:0->1".encode(), bytes([i]) * 3000)
+        frames = [forge.forge_frame(0, f"test.3pc.run:P2P-{i}:0->1".encode(), bytes([i]) * 3000)
                   for i in range(20)]
         with socket.create_connection(("127.0.0.1", spec.listen_port)) as sock:
             for frame in frames:

@@ -12,7 +12,7 @@ import pytest
 
 from runtime import mpc
 from runtime.distributed import costs as node_costs
-from runtime.mpc import costs
+from runtime.mpc import profile_log
 
 PREFIX = "2026-01-01 00:00:00.000 [info] [api.cc:printProfilingData:223] "
 
@@ -71,19 +71,19 @@ def test_parser_separates_interleaved_party_blocks():
     runs = mpc.parse_profile_log(text)
     check_parties(runs)
     assert {r.attribution for r in runs} == {"unique"}
-    run = costs.combine_parties(runs)
+    run = profile_log.combine_parties(runs)
     assert run.send_bytes == run.recv_bytes == 1800 and run.exec_s == pytest.approx(0.07)
     assert run.ops["HLO"]["pphlo.less"].send_bytes == 1100
     # Two opening lines back to back, then both bodies: nothing tells which body is whose;
     # the per-party split is flagged, every sum over parties is still exact.
     text = "\n".join(b[1][:1] + b[2][:1] + b[1][1:] + b[2][1:] + b[0])
-    run = costs.combine_parties(mpc.parse_profile_log(text))
+    run = profile_log.combine_parties(mpc.parse_profile_log(text))
     assert run.attribution == "ambiguous"
     assert run.send_bytes == run.recv_bytes == 1800 and run.send_actions == 23
 
 
 def test_cost_fields_sum_over_parties_and_model_the_network():
-    run = costs.combine_parties(mpc.parse_profile_log("\n".join(sum(blocks().values(), []))))
+    run = profile_log.combine_parties(mpc.parse_profile_log("\n".join(sum(blocks().values(), []))))
     fields = mpc.cost_fields(run, wall_s=0.7, parties=3)
     assert fields["comm_bytes"] == 1800 == sum(fields["party_recv_bytes"])
     assert fields["party_send_bytes"] == [700, 300, 800]
@@ -97,12 +97,12 @@ def test_cost_fields_sum_over_parties_and_model_the_network():
     assert sum(p["comm_bytes"] for p in phases.values()) == fields["comm_bytes"]
     # No estimate from fewer profiles than parties, and the parties must add up.
     (one,) = mpc.parse_profile_log("\n".join(blocks()[0]))
-    with pytest.raises(costs.CostAccountingError, match="needs every party's profile"):
+    with pytest.raises(profile_log.CostAccountingError, match="needs every party's profile"):
         mpc.cost_fields(one, wall_s=0.7, parties=3)
     parties = mpc.parse_profile_log("\n".join(blocks()[0] + blocks()[1]))
-    with pytest.raises(costs.CostAccountingError, match="sent 1000 bytes in total but "
+    with pytest.raises(profile_log.CostAccountingError, match="sent 1000 bytes in total but "
                                                         "received 1100"):
-        costs.combine_parties([parties[0], parties[1], parties[1].__class__(
+        profile_log.combine_parties([parties[0], parties[1], parties[1].__class__(
             "step", 0.1, {}, 0, 0, 0, 0, 2)])
 
 
@@ -112,8 +112,8 @@ def test_parties_exchange_costs_as_data_and_combine_them_as_the_simulator():
     runs = {r.rank: r for r in mpc.parse_profile_log("\n".join(sum(blocks().values(), [])))}
     sent = [json.loads(json.dumps(node_costs.run_cost_to_json(runs[r]))) for r in (2, 0, 1)]
     received = [node_costs.run_cost_from_json(v, f"node:{v['rank']}") for v in sent]
-    got = mpc.cost_fields(costs.combine_parties(received), 3.0, 3)
-    want = mpc.cost_fields(costs.combine_parties(runs.values()), 3.0, 3)
+    got = mpc.cost_fields(profile_log.combine_parties(received), 3.0, 3)
+    want = mpc.cost_fields(profile_log.combine_parties(runs.values()), 3.0, 3)
     assert got.pop("party_attribution") == "own"       # each party parsed its own log
     want.pop("party_attribution")
     assert got == want

@@ -78,7 +78,7 @@ def test_one_rsqrt_norm_needs_fewer_rounds_for_the_same_value(tmp_path):
 
 
 def test_an_unknown_benchmark_is_rejected_naming_the_registered_ones(tmp_path):
-    from experiments.mpc_cost import BENCHMARKS
+    from experiments.cost import BENCHMARKS
     proc = run_cli("--mpc_bench=nope", f"--output_dir={tmp_path}", timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--mpc_bench='nope' is not a benchmark" in proc.stderr
@@ -88,7 +88,7 @@ def test_an_unknown_benchmark_is_rejected_naming_the_registered_ones(tmp_path):
 
 
 def test_typed_config_validates_before_any_work():
-    from experiments.mpc_cost import CostConfig
+    from experiments.cost import CostConfig
     with pytest.raises(ValueError, match="unknown policy 'foo'"):
         CostConfig(policies=(("foo", "foo", {}),))
     with pytest.raises(ValueError, match="protocol='SPDZ' is unknown"):
@@ -123,7 +123,8 @@ def test_registry_loads_the_listed_layers_of_a_geometry():
 def test_repeated_runs_report_the_same_bytes_and_integer_gathers_are_cheaper(tmp_path):
     """repeat_noise and gather_dtype through the harness with a typed config (no flags): the
     sum over the parties is identical run to run, though single parties' bytes may move."""
-    from experiments.mpc_cost import BENCHMARKS, REPEATS, CostConfig, Harness
+    from experiments.cost import BENCHMARKS, CostConfig, Harness
+    from experiments.cost.primitives import REPEATS
     cfg = CostConfig(bench="repeat_noise", gather_tokens=64, gather_dim=8)
     harness = Harness(cfg, tmp_path / "r.jsonl")
     BENCHMARKS["repeat_noise"](cfg, harness)
@@ -146,7 +147,7 @@ def test_repeated_runs_report_the_same_bytes_and_integer_gathers_are_cheaper(tmp
 
 
 def test_median_run_picks_the_median_compute_and_refuses_changing_costs():
-    from experiments.mpc_cost import median_run
+    from experiments.cost.harness import median_run
     fields = lambda cost, wall: {"comm_bytes": cost[0], "messages": cost[1], "compute_s": wall}
     runs = iter([((10, 2), 5.0), ((10, 2), 1.0), ((10, 2), 3.0)])
     cost, wall, times = median_run(lambda: next(runs), 3, fields)
@@ -162,7 +163,7 @@ def test_round_cutting_alternatives_compute_what_they_replace():
     compute the same thing (plaintext: ties, padding to the fan-in, GQA grouping)."""
     import jax.numpy as jnp
     import numpy as np
-    from experiments.mpc_cost import integer_query_scores, tournament_max
+    from experiments.cost.primitives import integer_query_scores, tournament_max
     from mpcache_jax.attention import grouped_scores
     rng = np.random.default_rng(3)
     for n in (1, 2, 5, 16, 37, 64):                         # powers of 4 and not

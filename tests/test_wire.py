@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import spu
 
-from experiments.fault_cases import pb_field
+from experiments.faults.forge import pb_field
 from runtime.distributed import wire
 from runtime.distributed.wire import ShareSpec, WireError
 

@@ -2,7 +2,7 @@
 
 Each party of a multi-process run parses its OWN SPU profile of every program it runs and the
 parties exchange them (public numbers, as JSON: `run_cost_to_json` / `run_cost_from_json`);
-`mpc.costs.combine_parties` makes the run's RunCost exactly as the simulator does, so
+`mpc.profile_log.combine_parties` makes the run's RunCost exactly as the simulator does, so
 `generation_records` gives the same fields for `spu_sim` and `spu_nodes`: one record per step
 (prefill, decode at each position) with `mpc.cost_fields` (comm_bytes = bytes sent summed over
 the parties, per-party bytes / actions / compute, LAN/WAN model) and a summary record.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.distributed import wire
-from runtime.mpc.costs import OpCost, RunCost, cost_fields
+from runtime.mpc.costs import cost_fields
+from runtime.mpc.profile_log import OpCost, RunCost
 
 
 def run_cost_to_json(run: RunCost) -> dict:

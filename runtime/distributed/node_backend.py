@@ -23,7 +23,7 @@ from runtime.distributed import wire
 from runtime.distributed.costs import run_cost_from_json, run_cost_to_json
 from runtime.mpc.backends import (CLIENT, SERVER, Program, Shared, compile_spu,
                                   convert_visibility)
-from runtime.mpc.costs import combine_parties, read_last_profile
+from runtime.mpc.profile_log import combine_parties, read_last_profile
 from runtime.programs import PUBLIC, SECRET, broadcast_visibility
 
 

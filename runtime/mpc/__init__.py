@@ -15,8 +15,8 @@ profiling log; `LAN` / `WAN` network profiles.
 from runtime.mpc.backends import (BACKENDS, CLIENT, SERVER, Program, Shared, SpuSimBackend,
                                   XLABackend, make_backend)
 from runtime.mpc.config import MPCConfig, MPCConfigError, from_json
-from runtime.mpc.costs import (LAN, WAN, NetworkProfile, RunCost, cost_fields,
-                               parse_profile_log, phase_breakdown)
+from runtime.mpc.costs import LAN, WAN, NetworkProfile, cost_fields, phase_breakdown
+from runtime.mpc.profile_log import RunCost, parse_profile_log
 from runtime.mpc.secure import SecureGeneration, SecureSession, StepCost, secret_reveals
 from runtime.programs import (PUBLIC, SECRET, StepPrograms, cache_visibility, decode_fn,
                               decode_layers_fn, dependency_visibility, forward_layers_fn,

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from runtime.mpc.config import MPCConfig
-from runtime.mpc.costs import RunCost, party_executable_name, read_run_profiles
+from runtime.mpc.profile_log import RunCost, party_executable_name, read_run_profiles
 from runtime.programs import (PUBLIC, SECRET, broadcast_visibility,
                               dependency_visibility)
 
@@ -158,7 +158,7 @@ class SpuSimBackend:
     runtimes (Shared handles). Every party's runtime profiles every run (party r runs the
     program as an executable named `NAME.r{r}`, so its profile says whose it is); the log lines
     go to one file per process (set up on first use) and are parsed after each run into one
-    RunCost per party, combined into the run's (`costs.read_run_profiles`)."""
+    RunCost per party, combined into the run's (`profile_log.read_run_profiles`)."""
 
     name = "spu_sim"
     _log_lock = threading.Lock()

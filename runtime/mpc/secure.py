@@ -26,7 +26,7 @@ import numpy as np
 
 from runtime import programs
 from runtime.mpc.backends import CLIENT, PUBLIC, SECRET, SERVER, secret_reveals  # noqa: F401
-from runtime.mpc.costs import RunCost
+from runtime.mpc.profile_log import RunCost
 from mpcache_jax.policy import AttentionPolicy
 from runtime.programs import (StepPrograms, cache_visibility, onehot, shape_of)
 

@@ -1,0 +1,560 @@
+"""The fault cases, as data: one entry per bad input or fault, grouped by kind (wire, config,
+parties, launcher, front door, CLI). `all_cases()` is the list the runner
+(experiments/fault_cases.py) and the tests enumerate."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import time
+from typing import Callable
+
+from experiments.faults.forge import SEND_PICKLE, SEND_WRONG_SHAPE, forge_frame, sending
+from experiments.faults.harness import SKIP_OWN_CERT_CHECK, issue_cert, log_text, make_ca, make_certs, node_config, tag, tls_section
+from experiments.faults.kinds import CliCase, ConfigCase, FrontCase, LauncherSignalCase, PartiesCase, WireCase
+
+
+def front_cases() -> list:
+    run_key = b"test.3pc.run:P2P-1:0->1"
+    big = 60 << 20
+
+    def wrong_san(address, spec, folder):
+        issue_cert(folder / "certs", "node_0_wrong_san", "node:0", san="IP:10.9.9.9")
+        return sending(forge_frame(0, run_key), tls_cert="node_0_wrong_san")(address, spec,
+                                                                               folder)
+
+    def sixty_mib_messages(address, spec, folder):
+        import socket
+        sock = socket.create_connection(address, timeout=10)
+        for i in range(6):
+            key = f"test.3pc.run:P2P-{100 + i}:0->1".encode()
+            try:
+                sock.sendall(forge_frame(0, key, b"y" * 1024, message_length=big))
+            except OSError:
+                break
+        return sock
+
+    return [
+        FrontCase("front: chunk declaring 2^40 bytes", "a well-formed chunked Push from 'rank 0' "
+                  "declaring a total length of 2^40 (std::bad_alloc in the worker before)",
+                  sending(forge_frame(0, run_key, message_length=1 << 40)),
+                  ("declaring 1,099,511,627,776 bytes, over the cap",)),
+        FrontCase("front: chunk offset 2^62", "a chunk at offset 2^62 of an 8-byte message "
+                  "('invalid chunk info' abort in yacl before)",
+                  sending(forge_frame(0, run_key, message_length=8, chunk_offset=1 << 62)),
+                  ("at offset 4,611,686,018,427,387,904", "does not fit its message of 8")),
+        FrontCase("front: frame of 2^31 bytes", "a brpc header declaring a 2 GiB body",
+                  sending(forge_frame(0, run_key, body_size=(1 << 31))),
+                  ("a frame of 2,147,483,648 bytes",)),
+        FrontCase("front: own rank", "a Push claiming to come from the receiving party's own rank",
+                  sending(forge_frame(1, b"test.3pc.run:P2P-1:1->1")),
+                  ("sender rank 1, which is not a peer",)),
+        FrontCase("front: key of another link", "a Push under a key of another run's link",
+                  sending(forge_frame(0, b"other.run:P2P-1:0->1")),
+                  ("not a key of this run's link",)),
+        FrontCase("front: rank switch mid-connection", "a first frame as rank 0, then one as "
+                  "rank 2 on the same connection",
+                  sending(forge_frame(0, run_key), forge_frame(2, b"test.3pc.run:P2P-1:2->1")),
+                  ("claiming sender rank 2 on a connection of rank 0",),
+                  legit_bytes=len(forge_frame(0, run_key))),
+        FrontCase("front: 6 x 60 MiB messages", "six chunked messages of 60 MiB each under keys "
+                  "the program never reads (RSS 300 -> 785 MB before)", sixty_mib_messages,
+                  ("declaring 62,914,560 bytes, over the cap of 1,048,576",)),
+        FrontCase("front: HTTP request", "an HTTP GET to the link port",
+                  sending(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
+                  ("neither brpc nor the hello",)),
+        FrontCase("front: TLS spoofed rank", "node:0's valid certificate, a Push claiming rank 2",
+                  sending(forge_frame(2, b"test.3pc.run:P2P-1:2->1"), tls_cert="node_0"),
+                  ("node:0", "claiming sender rank 2 on a connection of rank 0"), tls=True),
+        FrontCase("front: TLS right CN, wrong SAN", "a CA-signed certificate with CN=node:0 and "
+                  "SAN IP:10.9.9.9 (brpc accepted it before)", wrong_san,
+                  ("refused a TLS client", "no subjectAltName for node:0's host"), tls=True),
+    ]
+
+
+# ----- the list ---------------------------------------------------------------------------------
+
+def wire_cases() -> list:
+    """Forged peer messages (in process)."""
+    import pickle
+
+    import numpy as np
+    import spu
+
+    from runtime.distributed import wire
+
+    def io(protocol="ABY3"):
+        cfg = spu.RuntimeConfig(protocol=getattr(spu.ProtocolKind, protocol),
+                                field=spu.FieldType.FM64)
+        return spu.Io({"ABY3": 3, "SEMI2K": 2}[protocol], cfg)
+
+    def share(x, protocol="ABY3", vis=spu.Visibility.VIS_SECRET):
+        kw = {"owner_rank": 0} if vis == spu.Visibility.VIS_SECRET else {}
+        return io(protocol).make_shares(np.asarray(x), vis, **kw)[1]
+
+    expect = wire.ShareSpec.like("v1", share(np.ones((2, 3), np.float32)))
+
+    def decoding(message):
+        return lambda folder: ((lambda: wire.decode_share(message, expect, "node:0")), None)
+
+    class _Command:
+        def __init__(self, command):
+            self.command = command
+
+        def __reduce__(self):
+            return (os.system, (self.command,))
+
+    def pickled(folder):
+        marker = folder / "pwned"
+        message = pickle.dumps(_Command(f"touch {marker}"))      # bytes only, never loaded
+        return (lambda: wire.decode_share(message, expect, "node:0")), marker
+
+    good = wire.encode_share("v1", share(np.ones((2, 3), np.float32)))
+    deep = b"[" * 50_000
+    import struct
+    return [
+        WireCase("wire: pickle (os.system)", "a share message that is a pickle whose "
+                 "__reduce__ calls os.system('touch MARKER')", pickled),
+        WireCase("wire: pickled SPU share", "pickle.dumps(libspu.Share) as the message",
+                 decoding(pickle.dumps(share(np.ones((2, 3), np.float32))))),
+        WireCase("wire: wrong dtype", "an int32 share where a float32 one is expected",
+                 decoding(wire.encode_share("v1", share(np.ones((2, 3), np.int32))))),
+        WireCase("wire: wrong shape", "a (3, 2) share where (2, 3) is expected",
+                 decoding(wire.encode_share("v1", share(np.ones((3, 2), np.float32))))),
+        WireCase("wire: public value", "a public value where a secret share is expected",
+                 decoding(wire.encode_share("v1", share(np.ones((2, 3), np.float32),
+                                                        vis=spu.Visibility.VIS_PUBLIC)))),
+        WireCase("wire: other protocol", "a SEMI2K share where an ABY3 share is expected",
+                 decoding(wire.encode_share("v1", share(np.ones((2, 3), np.float32),
+                                                        "SEMI2K")))),
+        WireCase("wire: truncated", "the share message minus its last byte",
+                 decoding(good[:-1])),
+        WireCase("wire: extra bytes", "the share message plus one byte", decoding(good + b"\0")),
+        WireCase("wire: oversized header", "a header length of 1 MiB",
+                 decoding(struct.pack(">I", 1 << 20) + good)),
+        WireCase("wire: nested header", "a 50,000-deep JSON header (parser recursion)",
+                 decoding(struct.pack(">I", len(deep)) + deep)),
+        WireCase("wire: wrong name", "the share of 'v2' where 'v1' is expected",
+                 decoding(wire.encode_share("v2", share(np.ones((2, 3), np.float32))))),
+        WireCase("wire: wrong kind", "a JSON message where a share is expected",
+                 decoding(wire.encode_json("v1", [1, 2, 3]))),
+    ]
+
+
+def _spu(raw: dict) -> dict:
+    return raw["devices"]["SPU"]["config"]
+
+
+def tls_files(folder: pathlib.Path, parties, *, shared_imposter=False, swap=None,
+               other_ca_for=None) -> dict:
+    """Certificates under folder/certs and the link.tls section that uses them."""
+    certs = folder / "certs"
+    make_certs(certs, list(parties))
+    files = {p: tag(p) for p in parties}
+    if shared_imposter:
+        issue_cert(certs, "imposter", "imposter", san="IP:10.9.9.9")
+        files = {p: "imposter" for p in parties}
+    if swap:
+        files[swap[0]] = tag(swap[1])
+    if other_ca_for:
+        make_ca(certs, "ca2")
+        issue_cert(certs, "other_ca", other_ca_for, ca="ca2")
+        files[other_ca_for] = "other_ca"
+    return tls_section(files)
+
+
+def config_cases() -> list:
+    def link(**kw):
+        return lambda raw, folder: _spu(raw)["link"].update(kw)
+
+    def job(**kw):
+        return lambda raw, folder: raw["job"].update(kw)
+
+    def rename(raw, folder):
+        raw["nodes"]["a/b"] = raw["nodes"].pop("node:2")
+        _spu(raw)["node_ids"][2] = "a/b"
+
+    def remote(raw, folder):
+        raw["nodes"]["node:2"] = "10.0.0.3:61320"
+
+    def all_one_cert(raw, folder):
+        _spu(raw)["link"]["tls"] = tls_files(folder, raw["nodes"], shared_imposter=True)
+
+    def owner_with_node2_cert(raw, folder):
+        _spu(raw)["link"]["tls"] = tls_files(folder, raw["nodes"], swap=("node:1", "node:2"))
+
+    def node2_at(address):
+        def mutate(raw, folder):
+            raw["nodes"]["node:2"] = address(raw)
+        return mutate
+
+    def same_port_as_node0(raw):
+        return "localhost:" + raw["nodes"]["node:0"].rpartition(":")[2]
+
+    def expired_cert(raw, folder):
+        _spu(raw)["link"]["tls"] = tls_files(folder, raw["nodes"])
+        issue_cert(folder / "certs", "node_0", "node:0", days=-1)
+
+    def repeat_node1(text):
+        # {"node:0": ..., "node:1": A, "node:2": ...} -> a second "node:1" key in "nodes"
+        start = text.index('"node:1": "127.0.0.1:')
+        entry = text[start:text.index('"', start + len('"node:1": "')) + 1]
+        return text.replace(entry, f'{entry}, {entry.replace("node:1", "node:1", 1)}', 1)
+
+    held: list = []
+
+    def hold_port_of(party):
+        def mutate(raw, folder):
+            import socket
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", int(raw["nodes"][party].rpartition(":")[2])))
+            sock.listen()
+            held.append(sock)        # held until the process ends
+        return mutate
+
+    return [
+        ConfigCase("config: own port busy", "another process listens on node:0's port (gave "
+                   "'brpc server failed start', exit 3)", hold_port_of("node:0"),
+                   ("address in use: node:0's link port 127.0.0.1:",), party="node:0",
+                   expected="exit 2 at once: address in use, naming the port"),
+        ConfigCase("config: own port busy (launcher)", "another process listens on node:2's port; "
+                   "--party=all", hold_port_of("node:2"),
+                   ("address in use: node:2's link port 127.0.0.1:",),
+                   expected="exit 2 before any party starts: address in use"),
+        ConfigCase("config: IPv6 literal", "node:2 at [::1]:P (the probe passed the brackets to "
+                   "socket.create_connection: a healthy peer was reported hung)",
+                   node2_at(lambda raw: "[::1]:" + raw["nodes"]["node:2"].rpartition(":")[2]),
+                   ("nodes['node:2']='[::1]:", "IPv6 address: not supported")),
+        ConfigCase("config: full-width port", "node:2's port in full-width digits "
+                   "('\uff16\uff12\uff14\uff11\uff12'.isdigit() is true)",
+                   node2_at(lambda raw: "127.0.0.1:\uff16\uff12\uff14\uff11\uff12"),
+                   ("ASCII digits 0-9",)),
+        ConfigCase("config: connect_timeout_s 1e12", "link.connect_timeout_s = 1e12 (a pybind "
+                   "TypeError traceback from the retry count)", link(connect_timeout_s=1e12),
+                   ("link.connect_timeout_s=1e+12 is beyond", "use at most 604800")),
+        ConfigCase("config: repeated node id", 'the key "node:1" twice in "nodes" (the last '
+                   "won, silently)", lambda raw, folder: None,
+                   ("the key 'node:1' appears twice",), rewrite=repeat_node1),
+        ConfigCase("config: same port via localhost", "node:2 at localhost:P where node:0 is at "
+                   "127.0.0.1:P", node2_at(same_port_as_node0),
+                   ("nodes 'node:0' and 'node:2' both use port",)),
+        ConfigCase("config: negative shaping delay", 'link.shape = {"delay_ms": -1}',
+                   link(shape={"delay_ms": -1}), ("link.shape.delay_ms=-1 must be",)),
+        ConfigCase("config: negative shaping rate", 'link.shape = {"rate_mb_s": -40}',
+                   link(shape={"rate_mb_s": -40}), ("link.shape.rate_mb_s=-40 must be",)),
+        ConfigCase("config: expired certificate", "node:0's CA-signed certificate expired "
+                   "yesterday (caught only at run time)", expired_cert,
+                   ("link.tls.certs['node:0'].cert=", "expired on")),
+        ConfigCase("config: node id a/b", "node id 'a/b' (crashed the launcher, which left "
+                   "parties holding ports)", rename, ("node id 'a/b' is not allowed",)),
+        ConfigCase("config: string peer_timeout_s", 'link.peer_timeout_s = "10"',
+                   link(peer_timeout_s="10"), ("link.peer_timeout_s='10' must be a number",)),
+        ConfigCase("config: non-integer retries", "link.connect_retry_times = 1.5",
+                   link(connect_retry_times=1.5), ("link.connect_retry_times=1.5 must be an "
+                                                   "integer",)),
+        ConfigCase("config: string prompt_ids", 'job.prompt_ids = ["1", "2", ...] (32 strings)',
+                   job(prompt_ids=[str(i) for i in range(32)]),
+                   ("job.prompt_ids must be a list of integer token ids",)),
+        ConfigCase("config: seq_len 1e9", "job.seq_len = 1000000000 (grew past 6 GB)",
+                   job(seq_len=10**9), ("exceeds llama-tiny's context of 4096",)),
+        ConfigCase("config: max_new_tokens 1e6", "job.max_new_tokens = 1000000 (ran until the "
+                   "job timeout)", job(max_new_tokens=10**6), ("exceeds llama-tiny's context",)),
+        ConfigCase("config: memory estimate", "llama2-d1024 (all 32 layers), seq_len 4000, "
+                   "ABY3, 3 parties on this machine",
+                   job(model="llama2-d1024", num_layers=None, seq_len=4000, policy="full",
+                       policy_options={}),
+                   ("per party", "over the limit")),
+        ConfigCase("config: --job override", "--job='{\"timeout_s\": \"60\"}' to the launcher",
+                   lambda raw, folder: None, ("job.timeout_s='60' must be a number",),
+                   extra_args=('--job={"timeout_s": "60"}',)),
+        ConfigCase("config: plain TCP off loopback", "node:2 at 10.0.0.3, no link.tls, no "
+                   "insecure (ran as plain TCP without a warning)", remote,
+                   ('add "insecure": true', "not on loopback"), party="node:0"),
+        ConfigCase("config: one cert for all (launcher)", "one certificate (CN=imposter, SAN "
+                   "IP:10.9.9.9) for all three nodes", all_one_cert,
+                   ("node 'node:0'", "CN='imposter'")),
+        ConfigCase("config: owner has node:2's cert", "the prompt owner node:1 configured with "
+                   "node:2's certificate", owner_with_node2_cert,
+                   ("node 'node:1'", "CN='node:2'")),
+    ]
+
+
+def write_config(folder: pathlib.Path, raw: dict, name: str = "nodes.json") -> pathlib.Path:
+    path = folder / name
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def party_cases() -> list:
+    parties3 = ["node:0", "node:1", "node:2"]
+
+    def tls_plan(**tls_kw):
+        """Every party reads a config whose certs follow tls_kw; all run patched to skip their
+        own certificate check (a party controls its own code)."""
+        def setup(ctx, folder):
+            raw = node_config(3, "ABY3", ctx.ports(3), connect_timeout_s=20)
+            _spu(raw)["link"]["tls"] = tls_files(folder, parties3, **tls_kw)
+            path = write_config(folder, raw)
+            return {p: (path, SKIP_OWN_CERT_CHECK) for p in parties3}
+        return setup
+
+    def swapped_owner(ctx, folder):
+        raw = node_config(3, "ABY3", ctx.ports(3), connect_timeout_s=20)
+        _spu(raw)["link"]["tls"] = tls_files(folder, parties3)
+        honest = write_config(folder, raw)
+        _spu(raw)["link"]["tls"]["certs"]["node:1"] = dict(
+            _spu(raw)["link"]["tls"]["certs"]["node:2"])
+        hostile = write_config(folder, raw, "nodes_node1.json")
+        return {"node:0": (honest, None), "node:1": (hostile, SKIP_OWN_CERT_CHECK),
+                "node:2": (honest, None)}
+
+    def plain(n=3, start=None, prelude=None, **link):
+        def setup(ctx, folder):
+            raw = node_config(n, "ABY3" if n == 3 else "SEMI2K", ctx.ports(n), **link)
+            path = write_config(folder, raw)
+            ids = [f"node:{i}" for i in range(n)]
+            return {p: (path, (prelude or {}).get(p)) for p in (start or ids)}
+        return setup
+
+    def kill(party, sig=signal.SIGKILL):
+        def fault(procs):
+            os.killpg(procs[party].pid, sig)
+        return fault
+
+    def no_marker(folder):
+        marker = pathlib.Path("/tmp/mpcache_fault_case_pwned")
+        return f"{marker} was created" if marker.exists() else ""
+
+    marker = "/tmp/mpcache_fault_case_pwned"
+    if os.path.exists(marker):
+        os.remove(marker)
+
+    def insecure_remote(ctx, folder):
+        ports = ctx.ports(2)
+        raw = node_config(2, "SEMI2K", ports, connect_timeout_s=5, insecure=True)
+        raw["nodes"]["node:1"] = f"10.255.255.1:{ports[1]}"
+        return {"node:0": (write_config(folder, raw), None)}
+
+    def other_policy(ctx, folder):
+        raw = node_config(3, "ABY3", ctx.ports(3))
+        honest = write_config(folder, raw)
+        raw["job"].update(policy="full", policy_options={})
+        other = write_config(folder, raw, "nodes_node2.json")
+        return {"node:0": (honest, None), "node:1": (honest, None), "node:2": (other, None)}
+
+    def stopped_by_sigterm(folder):
+        text = log_text(folder / "out", "node:2")
+        return "" if "error: stopped by SIGTERM" in text else "node:2 did not report SIGTERM"
+
+    def warned(folder):
+        text = log_text(folder / "out", "node:0")
+        return "" if "warning: link.insecure=true" in text else "no warning printed"
+
+    http_servers: list = []
+
+    def web_server_on_node2(ctx, folder):
+        import http.server
+        import threading
+        ports = ctx.ports(3)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", ports[2]),
+                                                 http.server.SimpleHTTPRequestHandler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        http_servers.append(server)
+        raw = node_config(3, "ABY3", ports, connect_timeout_s=8)
+        path = write_config(folder, raw)
+        return {"node:0": (path, None), "node:1": (path, None)}
+
+    def stop_web_server(folder):
+        while http_servers:
+            http_servers.pop().shutdown()
+        return ""
+
+    def forged_frames_mid_run(procs):
+        import socket
+        config = json.loads(pathlib.Path(mid_run_config[0]).read_text())
+        port = int(config["nodes"]["node:1"].rpartition(":")[2])
+        link_id = config["id"] + ".run"
+        for frame in (forge_frame(0, f"{link_id}:P2P-1:0->1".encode(), message_length=1 << 40),
+                      forge_frame(0, f"{link_id}:P2P-1:0->1".encode(), message_length=8,
+                                  chunk_offset=1 << 62)):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(frame)
+                try:
+                    sock.recv(10)
+                except OSError:
+                    pass
+
+    mid_run_config: list = []
+
+    def plain_recording(ctx, folder):
+        plan = plain(job={"max_new_tokens": 4})(ctx, folder)
+        mid_run_config[:] = [str(next(iter(plan.values()))[0])]
+        return plan
+
+    def front_dropped(folder):
+        text = log_text(folder / "out", "node:1")
+        n = text.count("front: dropped a frame")
+        return "" if n >= 2 else f"node:1's front logged {n} dropped frames"
+
+    return [
+        PartiesCase("blame: a web server on node:2's port", "an HTTP server listens on node:2's "
+                    "port; node:0 and node:1 started, connect_timeout_s=8 (waited 95 s with "
+                    "connect_timeout_s=8 and blamed a healthy party before)",
+                    "node:0 and node:1 exit 3 within connect_timeout_s: port P on host H "
+                    "answers but is not node:2", web_server_on_node2, ("node:0", "node:1"),
+                    ("answers but is not node:2", "party node:2 never came up"),
+                    check=stop_web_server),
+        PartiesCase("front: forged frames mid-run", "once linked, a local process sends node:1 "
+                    "(the prompt owner) a chunk declaring 2^40 bytes and one at offset 2^62 "
+                    "(each aborted the worker before)",
+                    "the front drops them, naming the connection; the run completes (every "
+                    "party exits 0)", plain_recording, ("node:0", "node:1", "node:2"), (),
+                    fault=forged_frames_mid_run, fault_after="] link up", judge_exit=0,
+                    check=front_dropped),
+        PartiesCase("tls: one cert for all (patched)", "one CA-signed certificate (CN=imposter, "
+                    "SAN IP:10.9.9.9) for all three nodes; every party's own check skipped",
+                    "every party exits 3; those that saw a peer name it, the expected node and "
+                    "CN='imposter' (the others see the first ones gone)",
+                    tls_plan(shared_imposter=True), ("node:0", "node:1", "node:2"),
+                    ("is not who the config says", "CN='imposter'", "where node 'node:"),
+                    say_in="any", clock="start"),
+        PartiesCase("tls: owner presents node:2's cert", "the prompt owner node:1 presents "
+                    "node:2's (valid, CA-signed) certificate; its own check skipped",
+                    "node:0 and node:2 exit 3 naming node:1 and CN='node:2'", swapped_owner,
+                    ("node:0", "node:2"), ("party node:1 ", "CN='node:2'", "node 'node:1'"),
+                    clock="start"),
+        PartiesCase("tls: certificate from another CA", "node:2's certificate is signed by "
+                    "another CA", "node:0 and node:1 exit 3: node:2 failed the TLS handshake",
+                    tls_plan(other_ca_for="node:2"), ("node:0", "node:1"),
+                    ("party node:2 ", "TLS handshake"), clock="start"),
+        PartiesCase("insecure: plain TCP off loopback", 'node:1 at 10.255.255.1 (unroutable), '
+                    '"insecure": true; only node:0 started',
+                    "warning printed; node:0 exits 3: node:1 never came up within "
+                    "connect_timeout_s=5", insecure_remote, ("node:0",),
+                    ("party node:1 never came up within link.connect_timeout_s=5 s",),
+                    check=warned),
+        PartiesCase("fault: party never started", "3 parties, node:2 never started, "
+                    "connect_timeout_s=5", "node:0 and node:1 exit 3 naming node:2 within "
+                    "connect_timeout_s", plain(start=["node:0", "node:1"], connect_timeout_s=5),
+                    ("node:0", "node:1"),
+                    ("party node:2 never came up within link.connect_timeout_s=5 s",)),
+        PartiesCase("fault: killed before link-up", "node:2 SIGKILLed 1 s after it was started "
+                    "(during start-up), connect_timeout_s=5",
+                    "node:0 and node:1 exit 3 naming node:2 within connect_timeout_s",
+                    plain(connect_timeout_s=5), ("node:0", "node:1"),
+                    ("party node:2 never came up",),
+                    fault=lambda procs: (time.sleep(1.0), kill("node:2")(procs))),
+        PartiesCase("fault: killed after link-up", "node:2 SIGKILLed once every party is "
+                    "linked, peer_timeout_s=3", "node:0 and node:1 exit 3 naming node:2",
+                    plain(peer_timeout_s=3), ("node:0", "node:1"), ("party node:2 ",),
+                    fault=kill("node:2"), fault_after="] link up"),
+        PartiesCase("fault: hung after link-up", "node:2 SIGSTOPped once every party is linked, "
+                    "peer_timeout_s=3", "node:0 and node:1 exit 3 naming node:2",
+                    plain(peer_timeout_s=3), ("node:0", "node:1"), ("party node:2 ",),
+                    fault=kill("node:2", signal.SIGSTOP), fault_after="] link up"),
+        PartiesCase("fault: SIGTERM to one party", "SIGTERM to node:2's supervisor once every "
+                    "party is linked, peer_timeout_s=3", "node:2 kills its worker and exits 143 "
+                    "saying so; node:0 and node:1 exit 3 naming node:2", plain(peer_timeout_s=3),
+                    ("node:0", "node:1"), ("party node:2 ",),
+                    fault=lambda procs: procs["node:2"].send_signal(signal.SIGTERM),
+                    fault_after="] link up", check=stopped_by_sigterm),
+        PartiesCase("fault: different job on one party", "node:2's config runs policy 'full', "
+                    "the others 'mpcache'", "every party exits 3: the compiled programs' "
+                    "SHA-256 differ (parties named)", other_policy, ("node:0", "node:1", "node:2"),
+                    ("compiled a different",)),
+        PartiesCase("wire: model owner sends a pickle", "node:0 (patched) sends a pickle that "
+                    f"would run `touch {marker}` instead of its first weight share",
+                    "node:1 and node:2 exit 3 naming node:0; no marker file",
+                    plain(prelude={"node:0": SEND_PICKLE.format(marker=marker)}),
+                    ("node:1", "node:2"), ("party node:0 sent", "weight sharing"),
+                    check=no_marker),
+        PartiesCase("wire: model owner sends a wrong shape", "node:0 (patched) sends its first "
+                    "weight share with an extra dimension", "node:1 and node:2 exit 3 naming "
+                    "node:0", plain(prelude={"node:0": SEND_WRONG_SHAPE}), ("node:1", "node:2"),
+                    ("party node:0 sent", "shape")),
+    ]
+
+
+def launcher_cases() -> list:
+    return [
+        LauncherSignalCase("launcher: SIGTERM", signal.SIGTERM, "SIGTERM to `experiments.party "
+                           "--party=all` once every party is linked (16-token job)",
+                           "launcher exits 143; no party process; no results.jsonl/outputs.npz"),
+        LauncherSignalCase("launcher: SIGKILL (crash)", signal.SIGKILL, "SIGKILL to the "
+                           "launcher once every party is linked", "no party process (they die "
+                           "with it); no results.jsonl/outputs.npz"),
+    ]
+
+
+def _write(name: str, text: str) -> Callable[[pathlib.Path], None]:
+    return lambda folder: (folder / name).write_text(text)
+
+
+def cli_cases() -> list:
+    acc = ("--experiment=accuracy", "--model=smollm2-135m", "--num_layers=1", "--lengths=200",
+           "--num_samples=1", "--policies=full", "--max_new_tokens=2")
+    lb = (*acc, "--task=longbench_jsonl", "--metric=contains")
+    return [
+        CliCase("cli: generate ignores --task", "--experiment=generate --policies=full "
+                "--task=passkey (was ignored, yet recorded)",
+                ("--experiment=generate", "--policies=full", "--task=passkey"),
+                ("--task is not used by --experiment=generate",)),
+        CliCase("cli: generate with --policies=foo", "--experiment=generate --policies=foo "
+                "(was ignored: plaintext full ran)", ("--experiment=generate", "--policies=foo"),
+                ("unknown policy 'foo'",)),
+        CliCase("cli: generate with two policies", "--experiment=generate --policies=full,mpcache",
+                ("--experiment=generate", "--policies=full,mpcache"),
+                ("runs one policy: give --policies",)),
+        CliCase("cli: accuracy ignores --backend", "--experiment=accuracy --backend=xla",
+                (*acc, "--backend=xla"), ("--backend is not used by --experiment=accuracy",)),
+        CliCase("cli: protocol vs node config", "--backend=spu_nodes with the 2-party SEMI2K "
+                "config and --protocol=ABY3 (ran SEMI2K)",
+                ("--experiment=generate", "--backend=spu_nodes", "--policies=full",
+                 "--node_config=experiments/nodes/2pc_semi2k.json", "--protocol=ABY3"),
+                ("--protocol=ABY3 conflicts with", "which runs SEMI2K")),
+        CliCase("cli: mpc_cost with an unknown policy", "--policies=full,foo (failed after "
+                "costing full, leaving partial rows)",
+                ("--experiment=mpc_cost", "--model=llama-tiny", "--policies=full,foo"),
+                ("unknown policy 'foo'",)),
+        CliCase("cli: --resume with another --seed", "a finished record made with --seed=0, "
+                "then --resume --seed=1 (relabelled the old outputs)",
+                (*acc, "--task=passkey", "--resume", "--seed=1", "--output_dir={dir}/old"),
+                ("--resume", "--seed (0 then, 1 now)"),
+                prepare=_resume_folder),
+        CliCase("cli: empty LongBench file", "--data_path to an empty file (ZeroDivisionError "
+                "in plotting)", (*lb, "--data_path={dir}/empty.jsonl"), ("empty.jsonl", "no samples"),
+                prepare=_write("empty.jsonl", "")),
+        CliCase("cli: malformed LongBench line", "line 2 of the JSONL is cut short (reported "
+                "without the file and with the wrong line)",
+                (*lb, "--num_samples=3", "--data_path={dir}/bad.jsonl"),
+                ("bad.jsonl:2:", "not a JSON object"),
+                prepare=_write("bad.jsonl", '{"context": "a", "input": "b", "answers": ["c"]}\n'
+                               '{"context": "a", "input": \n')),
+        CliCase("cli: --output_dir is a file", "--output_dir pointing at a file (raised after "
+                "the whole run)", (*acc, "--task=passkey", "--output_dir={dir}/afile"),
+                ("is a file, not a directory",), prepare=_write("afile", "x")),
+        CliCase("cli: unknown model", "--model=llama-9000",
+                ("--experiment=generate", "--policies=full", "--model=llama-9000"),
+                ("unknown model 'llama-9000'",)),
+    ]
+
+
+def _resume_folder(folder: pathlib.Path) -> None:
+    """An output folder holding one record made with --seed=0 (and its run_config.json)."""
+    from experiments.common import config_hash
+    old = folder / "old"
+    old.mkdir()
+    settings = {"seed": 0}
+    digest = config_hash(settings)
+    (old / "samples.jsonl").write_text(json.dumps(
+        {"task": "passkey", "sample_id": "passkey-0", "policy": "full", "budget": 1.0,
+         "config_hash": digest}) + "\n")
+    (old / "run_config.json").write_text(json.dumps(settings))
+    (old / "results.jsonl").write_text('{"previous": true}\n')
+
+
+def all_cases() -> list:
+    """Every case, fast ones first."""
+    return (wire_cases() + front_cases() + config_cases() + cli_cases() + party_cases()
+            + launcher_cases())
