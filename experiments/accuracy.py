@@ -534,6 +534,9 @@ def print_table(results, mechanism_rows) -> None:
         groups = collections.defaultdict(list)
         for r in mechanism_rows:
             groups[(r["task"], r["policy"], str(r["budget"]))].append(r)
+        def mean(values):   # "-": no sample had one (e.g. every answer began at prefill)
+            values = [v for v in values if v is not None and not np.isnan(v)]
+            return f"{np.mean(values):.3f}" if values else "-"
         for (task, policy, budget), rows in sorted(groups.items()):
-            print(f"{task:<16}{policy:<22}{budget:>7}{np.nanmean([r['survive'] for r in rows]):>9.3f}"
-                  f"{np.nanmean([r['select'] for r in rows]):>8.3f}{rows[0]['n']:>4}")
+            print(f"{task:<16}{policy:<22}{budget:>7}{mean(r['survive'] for r in rows):>9}"
+                  f"{mean(r['select'] for r in rows):>8}{rows[0]['n']:>4}")
