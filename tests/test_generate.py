@@ -234,6 +234,9 @@ def test_longbench_input_errors_name_file_and_line(tmp_path, text, message):
     class Tok:
         def encode(self, text):
             return [1] * len(text.split())
+
+        def encode_request(self, text, chat=True, system=None):
+            return self.encode(text)
     path = tmp_path / "data.jsonl"
     path.write_text(text)
     with pytest.raises(ValueError) as err:
