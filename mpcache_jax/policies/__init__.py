@@ -32,7 +32,7 @@ _REGISTRY: dict[str, tuple[Callable[..., AttentionPolicy], dict]] = {
     # publicly and for free (StreamingLLM's positional choice, no secure computation). Costed
     # beside the others by the MPC benchmarks; its outputs are streaming_llm's.
     "oracle": (StreamingLLM, {}),
-    "mpcache": (MPCache, {}),          # our default: see mpcache.py and WORKSPACE.md "Fidelity"
+    "mpcache": (MPCache, {}),          # our default: mpcache.py; docs/results.md "Choosing the default"
     "mpcache_paper": (MPCache, MPCACHE_PAPER),
     # Figure 11 ablation ladder on the authors' setting: full -> static -> +dynamic (token
     # level) -> +cluster (MP bound) -> +linearize/reorder (alpha bound) -> +layer sharing
