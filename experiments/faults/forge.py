@@ -22,13 +22,7 @@ wire.encode_share = lambda name, share: pickle.dumps(_Command())
 """
 SEND_WRONG_SHAPE = """
 from runtime.distributed import wire
-def _v(n):
-    out = b""
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out += bytes([b | (0x80 if n else 0)])
-        if not n:
-            return out
+from experiments.faults.forge import pb_varint as _v
 def _forged(name, share):
     meta, old = b"", bytes(share.meta)
     for f, w, v in wire._fields(old):
