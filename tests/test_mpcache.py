@@ -223,30 +223,53 @@ def test_decode_compiles_once_per_policy(tiny):
     assert model_module._decode._cache_size() == size
 
 
+@pytest.mark.parametrize("token_score", ["dot", "cosine"])
 @pytest.mark.parametrize("scope,group_reduce", [("layer", "sum"), ("head", "sum"),
                                                 ("layer", "max"), ("head", "max")])
-def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope, group_reduce):
+def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope, group_reduce,
+                                                                 token_score):
     """similarity="exact": the chosen clusters are the forced first/last ones and those whose
-    best token scores highest (a token's score: its GQA group's summed or best q . k, then
-    summed over the KV heads for a per-layer selection)."""
+    best token scores highest (a token's score: its GQA group's summed or best q . k, or
+    cos(q, k) with token_score="cosine", then summed over the KV heads for a per-layer
+    selection). Keys and queries have spread norms, so the two token scores rank apart."""
     rng = np.random.RandomState(3)
     Hkv, G, d, S, s = 2, 2, 8, 64, 4
     policy = MPCache(budget=24, levels=((s, None),), select_scope=scope,
-                     group_reduce=group_reduce)
-    k = jnp.asarray(rng.randn(Hkv, S, d), jnp.float32)
-    state = prompt_state(k)
-    q = jnp.asarray(rng.randn(Hkv * G, d), jnp.float32)
+                     group_reduce=group_reduce, token_score=token_score)
+    k = rng.randn(Hkv, S, d) * rng.uniform(0.2, 5.0, size=(Hkv, S, 1))
+    q = rng.randn(Hkv * G, d) * rng.uniform(0.2, 5.0, size=(Hkv * G, 1))
+    k, q = jnp.asarray(k, jnp.float32), jnp.asarray(q, jnp.float32)
+    state = prompt_state(k, policy.layer_extras(k, jnp.ones((Hkv, S), jnp.float32)))
     chosen = np.asarray(policy.select(q, state))
     assert chosen.shape == ((1 if scope == "layer" else Hkv), 24 // s, S // s)
-    per_head = np.einsum("kgd,ksd->kgs", np.asarray(q).reshape(Hkv, G, d), np.asarray(k))
-    token = per_head.max(1) if group_reduce == "max" else per_head.sum(1)
-    if scope == "layer":
-        token = token.sum(0, keepdims=True)
-    best = token.reshape(token.shape[0], S // s, s).max(-1)
-    for row in range(chosen.shape[0]):
+
+    def expected(qn, kn):
+        per_head = np.einsum("kgd,ksd->kgs", qn.reshape(Hkv, G, d), kn)
+        token = per_head.max(1) if group_reduce == "max" else per_head.sum(1)
+        if scope == "layer":
+            token = token.sum(0, keepdims=True)
+        best = token.reshape(token.shape[0], S // s, s).max(-1)
         forced = {0, S // s - 1}
-        rest = [c for c in np.argsort(-best[row], kind="stable") if c not in forced]
-        assert set(chosen[row].argmax(-1).tolist()) == forced | set(rest[:24 // s - 2])
+        picks = []
+        for row in range(best.shape[0]):
+            rest = [c for c in np.argsort(-best[row], kind="stable") if c not in forced]
+            picks.append(forced | set(rest[:24 // s - 2]))
+        return picks
+
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    want = expected(np.asarray(q), np.asarray(k)) if token_score == "dot" else \
+        expected(unit(np.asarray(q)), unit(np.asarray(k)))
+    other = expected(unit(np.asarray(q)), unit(np.asarray(k))) if token_score == "dot" else \
+        expected(np.asarray(q), np.asarray(k))
+    assert want != other
+    assert [set(row.argmax(-1).tolist()) for row in chosen] == want
+
+
+def test_cosine_token_score_needs_the_exact_similarity():
+    with pytest.raises(ValueError, match="similarity='exact'"):
+        MPCache(similarity="mp", token_score="cosine")
+    with pytest.raises(ValueError, match="token_score"):
+        MPCache(token_score="l2")
 
 
 @pytest.mark.parametrize("levels", [((4, None),), ((8, 0.5), (4, None))])

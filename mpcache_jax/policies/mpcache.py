@@ -46,6 +46,7 @@ from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, Workin
                                        prompt_kv, window_attention_mass)
 
 SIMILARITIES = ("exact", "alpha", "mp", "avg")
+TOKEN_SCORES = ("dot", "cosine")
 SELECT_SCOPES = ("auto", "layer", "head")
 # select_scope="auto" selects per KV head on models with at most this many KV heads, else once
 # per layer: the selection's top-k and one-hots scale with the rows that select. Measured:
@@ -86,6 +87,10 @@ class MPCache(PromptEvictionPolicy):
     similarity: "exact" (a cluster's best q . k, from the step's attention scores), "alpha"
       (q . (alpha r_max + (1 - alpha) r_min), the paper), "mp" (the exact upper bound
       sum_i max(q_i r_max_i, q_i r_min_i)) or "avg" (the cluster mean).
+    token_score: what the "exact" similarity reads per token: "dot" (the step's attention
+      score q . k) or "cosine" (q . k / (|q| |k|): direction only, as `longcache` scores; the
+      prompt keys' inverse norms are computed once at prefill, the step divides by its
+      queries' norms and multiplies by the keys' inverse norms elementwise).
     group_reduce: how the query heads of one KV head (a GQA group) combine their scores of a
       token ("exact" only): "sum" (their summed q . k) or "max" (the best head's: a token one
       head needs is not outvoted by the others). A per-layer selection then sums over KV heads.
@@ -121,6 +126,7 @@ class MPCache(PromptEvictionPolicy):
     levels: tuple = ((16, 0.2), (4, None))
     oversample: float = 2.0
     similarity: str = "exact"
+    token_score: str = "dot"
     alpha: float = 0.6
     group_reduce: str = "max"
     select_scope: str = "auto"
@@ -183,6 +189,11 @@ class MPCache(PromptEvictionPolicy):
                              "finest level cannot choose its budget among fewer tokens")
         if self.similarity not in SIMILARITIES:
             raise ValueError(f"similarity={self.similarity!r}; use one of {SIMILARITIES}")
+        if self.token_score not in TOKEN_SCORES:
+            raise ValueError(f"token_score={self.token_score!r}; use one of {TOKEN_SCORES}")
+        if self.token_score != "dot" and self.similarity != "exact":
+            raise ValueError(f"token_score={self.token_score!r} scores single tokens: it needs "
+                             f"similarity='exact', not {self.similarity!r}")
         if self.group_reduce not in ("sum", "max"):
             raise ValueError(f"group_reduce={self.group_reduce!r}; use 'sum' or 'max'")
         if self.select_scope not in SELECT_SCOPES:
@@ -427,10 +438,15 @@ class MPCache(PromptEvictionPolicy):
         return forced
 
     def layer_extras(self, kept_k, valid):
-        """Per-level cluster digests (bounding boxes or means), once per prompt; "exact" needs
-        none: it scores clusters with the step's own attention scores."""
-        if not self.dynamic or self.similarity == "exact":
+        """Per-level cluster digests (bounding boxes or means), once per prompt. "exact" scores
+        clusters with the step's own attention scores: it needs none, or with the cosine token
+        score the kept keys' inverse norms [H_kv, S]."""
+        if not self.dynamic:
             return None
+        if self.similarity == "exact":
+            if self.token_score == "dot":
+                return None
+            return jax.lax.rsqrt(jnp.sum(kept_k * kept_k, axis=-1) + 1e-6)
         digests = []
         for s in self.sizes:
             r_max, r_min = P.cluster_bounds(kept_k, s, valid)
@@ -476,8 +492,12 @@ class MPCache(PromptEvictionPolicy):
             return [digest_level(i) for i in range(len(self.sizes))]
         if scores is None:
             scores = attention.grouped_scores(qg.reshape(-1, qg.shape[-1]), state.k)
+        if self.token_score == "cosine":   # positive scalings: per query head, then per key
+            scores = scores * jax.lax.rsqrt(jnp.sum(qg * qg, axis=-1, keepdims=True) + 1e-6)
         reduce = jnp.max if self.group_reduce == "max" else jnp.sum
         token = reduce(scores, axis=1)                                        # [H_kv, S]
+        if self.token_score == "cosine":
+            token = token * state.extras                                      # [H_kv, S]
         if per_layer:
             token = jnp.sum(token, axis=0, keepdims=True)
         valid = state.valid[:token.shape[0]]
