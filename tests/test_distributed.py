@@ -492,6 +492,15 @@ def test_tls_between_parties(tmp_path):
     xla_tokens, _ = reference(TINY_JOB)
     assert record["tls"] is True
     assert record["tokens"] == xla_tokens.tolist()
+    # Under TLS each front holds a peer to yacl's throttle window of unread messages: it saw
+    # messages wait unread and this party's acknowledgements release them (without those, the
+    # thousands of messages of the run would have passed the window of 12 and been dropped).
+    for pid in parties:
+        steps = [json.loads(line.split("front step ", 1)[1]) for line in
+                 (tmp_path / "out" / f"party_{harness.tag(pid)}.log").read_text().splitlines()
+                 if "front step " in line]
+        assert steps and sum(step["frames"] for step in steps) > 100
+        assert 1 <= steps[-1]["most_unread_so_far"] <= 12
 
 
 # ----- TLS identity and faults before link-up -------------------------------------------------
@@ -678,6 +687,43 @@ def test_front_parses_the_frames_spu_sends():
         front.parse_frame(bytearray(forge.forge_frame(2, b"k", service=b"evil.Service")), 1 << 20)
     with pytest.raises(front.FrameError, match="not a brpc frame"):
         front.parse_frame(bytearray(b"\x80\x04\x95pickle..."), 1 << 20)
+
+
+def test_front_holds_a_peer_to_the_throttle_window_of_unread_messages():
+    """Complete messages of a peer count as unread until this party's own outgoing ACK names
+    their sequence number (read off its brpc frames by the outbound side); one more than the
+    window is refused; a retried delivery of a read message does not count again."""
+    from runtime.distributed import front
+    ledger = front.PeerLedger()
+    rules = dict(bound_rank=0, my_rank=1, link_id=b"l.run", max_message_bytes=1 << 20,
+                 max_buffered_bytes=2 << 20, ledger=ledger, max_unread=3)
+
+    def deliver(seq, **chunk):
+        frame = forge.forge_frame(0, f"l.run:P2P-{seq}:0->1".encode(), b"v" * 10, seq=seq,
+                                  **chunk)
+        front.check_push(front.parse_frame(bytearray(frame), 1 << 20), **rules)
+
+    def acknowledge(*seqs):
+        frames = b"".join(forge.forge_frame(1, b"ACK", str(s).encode()) for s in seqs)
+        assert front.note_acknowledgements(bytearray(frames + b"PRPC"), 0, 1 << 20,
+                                           ledger) == len(frames)
+
+    for seq in (1, 2, 3):
+        deliver(seq)
+    assert sorted(ledger.unread) == [1, 2, 3]
+    with pytest.raises(front.FrameError, match="4 messages .40 bytes. that this party has not "
+                                               "read, over the 3"):
+        deliver(4)
+    acknowledge(1, 3, 4)
+    assert sorted(ledger.unread) == [2] and (ledger.read_floor, ledger.read_above) == (1, {3, 4})
+    deliver(1)                                  # a retry of a read message: not unread again
+    deliver(5, message_length=30)               # a chunked message counts once it is whole
+    assert sorted(ledger.unread) == [2]
+    deliver(5, message_length=30, chunk_offset=10)
+    deliver(5, message_length=30, chunk_offset=20)
+    assert ledger.unread == {2: 10, 5: 30}
+    acknowledge(2)
+    assert (ledger.read_floor, ledger.read_above) == (4, set())
 
 
 def test_message_cap_follows_its_formula():

@@ -35,6 +35,9 @@ def front_cases() -> list:
                 break
         return sock
 
+    unread = [forge_frame(0, f"test.3pc.run:P2P-{i}:0->1".encode(), b"u" * 1024, seq=i)
+              for i in range(1, 14)]
+
     return [
         FrontCase("front: chunk declaring 2^40 bytes", "a well-formed chunked Push from 'rank 0' "
                   "declaring a total length of 2^40 (std::bad_alloc in the worker before)",
@@ -61,12 +64,22 @@ def front_cases() -> list:
         FrontCase("front: 6 x 60 MiB messages", "six chunked messages of 60 MiB each under keys "
                   "the program never reads (RSS 300 -> 785 MB before)", sixty_mib_messages,
                   ("declaring 62,914,560 bytes, over the cap of 1,048,576",)),
+        FrontCase("front: unnumbered message", "a Push under this link's key without yacl's "
+                  "sequence number (kept unread for the whole run before)",
+                  sending(forge_frame(0, run_key, seq=0)), ("without a sequence number",)),
         FrontCase("front: HTTP request", "an HTTP GET to the link port",
                   sending(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
                   ("neither brpc nor the hello",)),
         FrontCase("front: TLS spoofed rank", "node:0's valid certificate, a Push claiming rank 2",
                   sending(forge_frame(2, b"test.3pc.run:P2P-1:2->1"), tls_cert="node_0"),
                   ("node:0", "claiming sender rank 2 on a connection of rank 0"), tls=True),
+        FrontCase("front: TLS unread messages", "node:0's valid certificate, 13 complete "
+                  "messages of 1 KiB under this link's keys that the party never reads (each "
+                  "within the caps; held in the worker's memory for the run before)",
+                  sending(*unread, tls_cert="node_0"),
+                  ("node:0", "13 messages (13,312 bytes) that this party has not read",
+                   "over the 12 a peer may have unread"),
+                  tls=True, legit_bytes=sum(len(f) for f in unread[:12])),
         FrontCase("front: TLS right CN, wrong SAN", "a CA-signed certificate with CN=node:0 and "
                   "SAN IP:10.9.9.9 (brpc accepted it before)", wrong_san,
                   ("refused a TLS client", "no subjectAltName for node:0's host"), tls=True),

@@ -59,14 +59,15 @@ def pb_field(number: int, value) -> bytes:
 def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
                 message_length: int | None = None, chunk_offset: int = 0,
                 service: bytes = b"org.interconnection.link.ReceiverService",
-                body_size: int | None = None) -> bytes:
+                body_size: int | None = None, seq: int = 1) -> bytes:
     """A brpc baidu_std frame carrying a yacl Push as SPU 0.9.5's link sends it (fields read
     off the wire: see runtime/distributed/front.py), with any field set to a lie:
     `message_length` makes it a chunk of a message of that length at `chunk_offset`;
-    `body_size` overrides the header's body size (the rest is not sent)."""
+    `body_size` overrides the header's body size (the rest is not sent); `seq` is yacl's
+    sequence number after the key (0: unnumbered, as only its connection test sends)."""
     request = pb_field(1, service) + pb_field(2, b"Push")
     meta = pb_field(1, request) + pb_field(3, 0) + pb_field(4, 12345)
-    push = pb_field(1, sender_rank) + pb_field(2, key + b"\x01\x020") + pb_field(3, value)
+    push = pb_field(1, sender_rank) + pb_field(2, key + b"\x01\x02" + str(seq).encode()) + pb_field(3, value)
     if message_length is not None:
         push += pb_field(4, 1) + pb_field(5, pb_field(1, message_length)
                                             + pb_field(2, chunk_offset))
@@ -99,7 +100,8 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
                for r in (0, 2)},
         hello_key=(b"k" * 32).hex(), max_frame_bytes=(1 << 20) + (64 << 10),
         max_message_bytes=max_message_bytes, max_buffered_bytes=2 * max_message_bytes,
-        events_path=str(folder / "front_events.jsonl"), tls=tls_spec)
+        events_path=str(folder / "front_events.jsonl"), tls=tls_spec,
+        max_unread_messages=12)     # a party's: SPU's throttle window of 10 + 2
     spec = dataclasses.replace(spec, **(spec_overrides or {}))
     pathlib.Path(spec.events_path).write_text("")
     proc = subprocess.Popen([sys.executable, front_mod.__file__, spec.to_json()],

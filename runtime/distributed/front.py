@@ -24,13 +24,16 @@ For each incoming connection the front
    (offset + chunk > length) or restates another length; the sender rank is not the node the
    connection is bound to (under TLS: its certificate; in plain TCP: its first frame), or
    is this party, or the key's `src->dst` is not `bound rank -> this party`; the unfinished
-   chunked messages of one peer would hold more than `max_buffered_bytes`.
+   chunked messages of one peer would hold more than `max_buffered_bytes`; under TLS, the
+   peer would have more than `max_unread_messages` complete messages this party has not read
+   (PeerLedger: the outbound side reads this party's acknowledgements).
 
 Frames are relayed whole (store and forward, at most one frame of `max_frame_bytes` buffered
 per connection), so nothing that fails a check reaches brpc. Under TLS a party's outgoing brpc
 connections also go through this process: brpc connects in plain TCP to a local port per
 peer (`outbound`), the front opens the TLS connection to the peer's front with this party's
-certificate and checks the peer's certificate by the identity rule before relaying a byte.
+certificate and checks the peer's certificate by the identity rule before relaying a byte,
+and reads the acknowledgements among brpc's requests.
 
 Events (a refused connection, a dropped frame) are printed as one `[party X] front: ...`
 line each on stderr and appended as JSON lines to `events_path`, which the party's worker
@@ -41,7 +44,8 @@ project but its sibling certs.py), started by the party's worker (`party.start_f
 prints one JSON line {"ready": true, "backend_port": P, "outbound": {node: port}} or
 {"error": "...", "kind": "address in use" | ...} and exits 2. Reads "cap N" lines on stdin
 (a new `max_message_bytes` once the prompt length is public) and "stats" lines (answers one
-JSON line: frames and bytes relayed to brpc, this process's CPU seconds). Never deserializes anything a
+JSON line: frames and bytes relayed to brpc, the most messages of one peer held unread,
+this process's CPU seconds). Never deserializes anything a
 peer sent into objects: it reads integers and byte strings with bounds checks.
 """
 from __future__ import annotations
@@ -58,7 +62,7 @@ import ssl
 import struct
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 try:
     from runtime.distributed.certs import certificate_names, san_matches
@@ -104,18 +108,30 @@ def read_varint(buf, i: int, end: int) -> tuple[int, int]:
     raise FrameError("a protobuf varint is longer than 10 bytes")
 
 
-def read_fields(buf, start: int, end: int) -> dict[int, list]:
-    """The fields of one protobuf message in buf[start:end] -> {number: [value, ...]}: varints
-    as int, length-delimited as (offset, length) into buf, fixed 32/64-bit as int."""
-    fields: dict[int, list] = {}
+def read_fields(buf, start: int, end: int) -> dict[int, Any]:
+    """The fields of one protobuf message in buf[start:end] -> {number: value} (a repeated
+    field: its last value, as protobuf merges scalars): varints as int, length-delimited as
+    (offset, length) into buf, fixed 32/64-bit as int. One-byte varints (nearly every key,
+    rank and length a frame carries) are read inline: this runs for every relayed frame."""
+    fields: dict[int, Any] = {}
     i = start
     while i < end:
-        key, i = read_varint(buf, i, end)
+        key = buf[i]
+        if key < 0x80:
+            i += 1
+        else:
+            key, i = read_varint(buf, i, end)
         number, wire_type = key >> 3, key & 7
         if wire_type == 0:
-            value, i = read_varint(buf, i, end)
+            if i < end and buf[i] < 0x80:
+                value, i = buf[i], i + 1
+            else:
+                value, i = read_varint(buf, i, end)
         elif wire_type == 2:
-            n, i = read_varint(buf, i, end)
+            if i < end and buf[i] < 0x80:
+                n, i = buf[i], i + 1
+            else:
+                n, i = read_varint(buf, i, end)
             if n > end - i:
                 raise FrameError(f"protobuf field {number} declares {n} bytes, {end - i} remain")
             value, i = (i, n), i + n
@@ -126,17 +142,11 @@ def read_fields(buf, start: int, end: int) -> dict[int, list]:
             value, i = int.from_bytes(bytes(buf[i:i + n]), "little"), i + n
         else:
             raise FrameError(f"protobuf field {number} has wire type {wire_type}")
-        fields.setdefault(number, []).append(value)
+        fields[number] = value
     return fields
 
 
-def _one(fields: dict, number: int, default=None):
-    values = fields.get(number)
-    return values[-1] if values else default
-
-
-@dataclasses.dataclass(frozen=True)
-class Push:
+class Push(NamedTuple):
     """The parts of one brpc frame carrying a yacl Push that the front checks."""
 
     frame_bytes: int           # the whole frame, header included
@@ -145,6 +155,8 @@ class Push:
     chunk_bytes: int           # this frame's value
     message_length: int | None  # chunked: the whole message's declared length
     chunk_offset: int | None
+    seq: int = 0               # yacl's per-channel sequence number ("\x01\x02<seq>"; 0: none)
+    value_at: int = 0          # where the value starts in the parsed buffer
 
 
 def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
@@ -173,64 +185,99 @@ def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
         rpc = read_fields(buf, start + len(PUSH_META_PREFIX), meta_end)
     else:
         rpc = read_fields(buf, start, meta_end)
-        request = _one(rpc, 1)
+        request = rpc.get(1)
         if request is None or not isinstance(request, tuple):
             raise FrameError("a brpc frame that is not a request")
         req = read_fields(buf, request[0], request[0] + request[1])
-        service, method = _one(req, 1), _one(req, 2)
+        service, method = req.get(1), req.get(2)
         if (not isinstance(service, tuple)
                 or bytes(buf[service[0]:sum(service)]) != PUSH_SERVICE
                 or not isinstance(method, tuple)
                 or bytes(buf[method[0]:sum(method)]) != PUSH_METHOD):
             raise FrameError("a brpc request for another service than ReceiverService.Push")
-    if _one(rpc, 3, 0) != 0 or _one(rpc, 5, 0) != 0:
+    if rpc.get(3, 0) != 0 or rpc.get(5, 0) != 0:
         raise FrameError("a compressed brpc frame or one with an attachment")
     push = read_fields(buf, meta_end, end)
-    rank = _one(push, 1, 0)
-    key = _one(push, 2)
+    rank = push.get(1, 0)
+    key = push.get(2)
     if not isinstance(rank, int) or not isinstance(key, tuple) or key[1] > MAX_KEY_BYTES:
         raise FrameError("a Push without a sender rank or with a key over "
                          f"{MAX_KEY_BYTES} bytes")
-    key_bytes = bytes(buf[key[0]:sum(key)]).split(SEQ_SEPARATOR, 1)[0]
-    value = _one(push, 3, (0, 0))
-    chunk_bytes = value[1] if isinstance(value, tuple) else 0
+    key_bytes, _, seq = bytes(buf[key[0]:sum(key)]).partition(SEQ_SEPARATOR)
+    seq = int(seq) if 0 < len(seq) <= 20 and seq.isdigit() else 0
+    value = push.get(3, (0, 0))
+    value_at, chunk_bytes = value if isinstance(value, tuple) else (0, 0)
     length = offset = None
-    if _one(push, 4, 0) == 1:
-        info = _one(push, 5)
+    if push.get(4, 0) == 1:
+        info = push.get(5)
         if not isinstance(info, tuple):
             raise FrameError("a chunked Push without chunk info")
         chunk = read_fields(buf, info[0], info[0] + info[1])
-        length, offset = _one(chunk, 1, 0), _one(chunk, 2, 0)
+        length, offset = chunk.get(1, 0), chunk.get(2, 0)
         if not isinstance(length, int) or not isinstance(offset, int):
             raise FrameError("a chunked Push whose chunk info is not two integers")
-    return Push(HEADER.size + body, rank, key_bytes, chunk_bytes, length, offset)
+    return Push(HEADER.size + body, rank, key_bytes, chunk_bytes, length, offset, seq, value_at)
 
 
 # ----- the checks of one peer ---------------------------------------------------------------
 
 @dataclasses.dataclass
 class PeerLedger:
-    """What one peer node has in flight: unfinished chunked messages {key: [length, got]}."""
+    """What one peer node has in flight: unfinished chunked messages {key: [length, got]};
+    under TLS also its complete messages this party has not read yet {seq: bytes} (`unread`:
+    yacl acknowledges a message, naming its sequence number, when the program reads it, and
+    a sender waits for acknowledgements once `throttle window` messages are unread, so an
+    honest peer never has more unread here). `read_floor`/`read_above`: the sequence numbers
+    already acknowledged (all up to the floor, and those above it), so that a retried
+    delivery of a read message is not counted again."""
 
     unfinished: dict[bytes, list[int]] = dataclasses.field(default_factory=dict)
+    unread: dict[int, int] = dataclasses.field(default_factory=dict)
+    read_floor: int = 0
+    read_above: set = dataclasses.field(default_factory=set)
+    most_unread: int = 0       # the most messages held unread at once so far
 
     @property
     def buffered(self) -> int:
         return sum(length for length, _ in self.unfinished.values())
+
+    def received(self, seq: int, nbytes: int, max_unread: int) -> None:
+        """A complete message `seq` of `nbytes` arrived; raises FrameError when the peer then
+        has more than `max_unread` messages this party has not read."""
+        if seq <= self.read_floor or seq in self.read_above:
+            return
+        self.unread[seq] = nbytes
+        self.most_unread = max(self.most_unread, len(self.unread))
+        if len(self.unread) > max_unread:
+            raise FrameError(
+                f"{len(self.unread)} messages ({sum(self.unread.values()):,} bytes) that this "
+                f"party has not read, over the {max_unread} a peer may have unread (the link's "
+                "throttle window: an honest peer waits for this party to read its messages; "
+                "these are under keys the program does not read)")
+
+    def read(self, seq: int) -> None:
+        """This party acknowledged (read) the peer's message `seq`."""
+        self.unread.pop(seq, None)
+        if seq <= self.read_floor:
+            return
+        self.read_above.add(seq)
+        while self.read_floor + 1 in self.read_above:
+            self.read_floor += 1
+            self.read_above.discard(self.read_floor)
 
 
 # MPCACHE_FRONT_DEBUG_KEYS=1: print each new shape of key seen (digits as N), once.
 import os as _os
 DEBUG_KEYS: set = {b""} if _os.environ.get("MPCACHE_FRONT_DEBUG_KEYS") else set()
 CONTROL_KEYS = (b"ACK", b"FIN")
-KEY_RANKS = re.compile(rb":(\d{1,4})->(\d{1,4})$")
 CONNECT_KEY = re.compile(rb"connect_(\d{1,4})$")
 
 
 def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
-               max_message_bytes: int, max_buffered_bytes: int, ledger: PeerLedger) -> None:
+               max_message_bytes: int, max_buffered_bytes: int, ledger: PeerLedger,
+               max_unread: int = 0) -> None:
     """The rules of the module docstring for one parsed frame from the peer of `bound_rank`;
-    updates `ledger`. Raises FrameError."""
+    updates `ledger` (and its unread window when `max_unread` > 0). Raises FrameError."""
     if push.sender_rank != bound_rank:
         raise FrameError(f"a Push claiming sender rank {push.sender_rank} on a connection of "
                          f"rank {bound_rank}")
@@ -244,10 +291,18 @@ def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
                 in (b":", b"-")):
             raise FrameError(f"a Push under the key {push.key[:80]!r}, not a key of this run's "
                              f"link {link_id.decode()!r}")
-        m = KEY_RANKS.search(push.key)
+        if not push.seq:
+            # yacl numbers every message of a link; it keeps an unnumbered one (meant for its
+            # connection test) unread for the whole run.
+            raise FrameError(f"a Push under the key {push.key[:80]!r} without a sequence number")
         # Point-to-point keys end in ":<src>-><dst>"; collectives' ("<id>:<n>:ALLGATHER")
         # name no ranks.
-        src, dst = (int(m.group(1)), int(m.group(2))) if m else (bound_rank, my_rank)
+        src, arrow, dst = push.key.rpartition(b":")[2].partition(b"->")
+        if (arrow and 0 < len(src) <= 4 and 0 < len(dst) <= 4 and src.isdigit()
+                and dst.isdigit()):
+            src, dst = int(src), int(dst)
+        else:
+            src, dst = bound_rank, my_rank
     if DEBUG_KEYS:
         shape = re.sub(rb"\d+", b"N", push.key)
         if shape not in DEBUG_KEYS:
@@ -260,6 +315,8 @@ def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
         if push.chunk_bytes > max_message_bytes:
             raise FrameError(f"a message of {push.chunk_bytes:,} bytes, over the cap of "
                              f"{max_message_bytes:,} (the largest the job's programs receive)")
+        if max_unread and push.seq:
+            ledger.received(push.seq, push.chunk_bytes, max_unread)
         return
     length, offset = push.message_length, push.chunk_offset
     if length > max_message_bytes:
@@ -283,6 +340,24 @@ def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
                          f"declared {length:,}")
     if entry[1] == length:
         del ledger.unfinished[push.key]
+        if max_unread and push.seq:
+            ledger.received(push.seq, length, max_unread)
+
+
+def note_acknowledgements(buf, at: int, max_frame_bytes: int, ledger: PeerLedger) -> int:
+    """Read this party's own outgoing frames to a peer in buf[at:] (its brpc's requests, relayed
+    by the outbound side under TLS): each yacl ACK marks the peer's message it names as read in
+    `ledger`. Returns where the first incomplete frame starts. Raises FrameError on bytes that
+    are not brpc frames (this party's own brpc never sends them)."""
+    while True:
+        push = parse_frame(buf, max_frame_bytes, at)
+        if push is None:
+            return at
+        if push.key == b"ACK":
+            seq = bytes(buf[push.value_at:push.value_at + push.chunk_bytes])
+            if 0 < len(seq) <= 20 and seq.isdigit():
+                ledger.read(int(seq))
+        at += push.frame_bytes
 
 
 # ----- the hello ----------------------------------------------------------------------------
@@ -340,6 +415,10 @@ class FrontSpec:
     max_message_bytes: int
     max_buffered_bytes: int
     events_path: str
+    # Under TLS: the most complete messages of one peer this party may hold unread (the
+    # link's throttle window + slack; 0 = no bound). Needs the outbound side, which sees this
+    # party's acknowledgements: plain-TCP fronts do not relay them.
+    max_unread_messages: int = 0
     tls: dict[str, Any] | None = None
     # Traffic shaping of the frames this party receives (config.ShapeSpec): each waits for
     # its connection's rate (bytes per second, None = none), then `delay_s`.
@@ -378,9 +457,18 @@ class Front:
         self.rank_of = {node: int(p["rank"]) for node, p in spec.peers.items()}
         self.node_of = {r: n for n, r in self.rank_of.items()}
         self.ledgers: dict[str, PeerLedger] = {}
+        self.max_unread = spec.max_unread_messages if spec.tls else 0
         self.max_message_bytes = spec.max_message_bytes
         # Relayed so far: frames, bytes, the largest message (declared length) seen.
         self.stats = {"frames": 0, "bytes": 0, "max_message": 0}
+
+    def ledger(self, node: str) -> PeerLedger:
+        """The ledger of peer `node` (shared by its inbound connections and, under TLS, by
+        the outbound side that sees this party's acknowledgements to it)."""
+        found = self.ledgers.get(node)
+        if found is None:
+            found = self.ledgers[node] = PeerLedger()
+        return found
 
     def event(self, kind: str, peer_address: str, node: str | None, why: str) -> None:
         who = f"{node} ({peer_address})" if node else peer_address
@@ -392,30 +480,6 @@ class Front:
             f.write(json.dumps(record) + "\n")
 
 
-class _Pipe(asyncio.Protocol):
-    """The backend side of one relayed connection: bytes from brpc go back to the client."""
-
-    def __init__(self, client: "_Inbound"):
-        self.client = client
-        self.transport = None
-
-    def connection_made(self, transport):
-        self.transport = transport
-        transport.set_write_buffer_limits(high=HIGH_WATER_BYTES)
-
-    def data_received(self, data):
-        self.client.transport.write(data)
-
-    def connection_lost(self, exc):
-        self.client.transport.close()
-
-    def pause_writing(self):
-        self.client.transport.pause_reading()
-
-    def resume_writing(self):
-        self.client.transport.resume_reading()
-
-
 class _Inbound(asyncio.Protocol):
     """One connection to the public port: hello or checked brpc frames relayed to brpc."""
 
@@ -424,7 +488,8 @@ class _Inbound(asyncio.Protocol):
         self.buf = bytearray()
         self.mode = None
         self.node: str | None = None        # the peer node the connection is bound to
-        self.pipe: _Pipe | None = None
+        self.ledger: PeerLedger | None = None   # that node's
+        self.pipe: _Relay | None = None     # brpc's side: its replies come back through it
         self.pending: list[bytes] = []
         self.closed = False
         self.free_at = 0.0          # shaping: when this connection's rate is free again
@@ -515,10 +580,12 @@ class _Inbound(asyncio.Protocol):
                                          f"which is not a peer of this party (rank "
                                          f"{spec.rank}; peers {sorted(front.rank_of.values())})")
                     self.node = node
-                ledger = front.ledgers.setdefault(self.node, PeerLedger())
+                if self.ledger is None:     # one per peer node, shared by its connections
+                    self.ledger = front.ledger(self.node)
                 check_push(push, bound_rank=front.rank_of[self.node], my_rank=spec.rank,
                            link_id=front.link_id, max_message_bytes=front.max_message_bytes,
-                           max_buffered_bytes=spec.max_buffered_bytes, ledger=ledger)
+                           max_buffered_bytes=spec.max_buffered_bytes, ledger=self.ledger,
+                           max_unread=front.max_unread)
             except FrameError as err:
                 self._forward(view, at)     # the whole frames before it were checked
                 self._refuse("dropped a frame and closed the connection", str(err))
@@ -571,7 +638,7 @@ class _Inbound(asyncio.Protocol):
     async def _open_backend(self):
         loop = asyncio.get_running_loop()
         try:
-            _, pipe = await loop.create_connection(lambda: _Pipe(self), "127.0.0.1",
+            _, pipe = await loop.create_connection(lambda: _Relay(self), "127.0.0.1",
                                                    self.front.backend_port)
         except OSError:
             self.transport.close()    # brpc not up yet: the client retries
@@ -600,11 +667,13 @@ class _Inbound(asyncio.Protocol):
 
 
 class _Relay(asyncio.Protocol):
-    """A raw relay half: bytes in go to `other` (used by the outbound TLS side)."""
+    """A raw relay half: bytes in go to `other`'s transport (kept until it has one); closing
+    one side closes the other. Carries brpc's replies back to an _Inbound connection, and both
+    directions of an outbound TLS connection."""
 
-    def __init__(self):
+    def __init__(self, other: "asyncio.Protocol | None" = None):
         self.transport = None
-        self.other: _Relay | None = None
+        self.other = other
         self.buffer: list[bytes] = []
 
     def connection_made(self, transport):
@@ -630,6 +699,33 @@ class _Relay(asyncio.Protocol):
             self.other.transport.resume_reading()
 
 
+class _Outbound(_Relay):
+    """The local half of an outbound TLS relay: this party's brpc requests to `peer`, read for
+    the acknowledgements that mark the peer's messages as read (PeerLedger.unread) before
+    they are forwarded."""
+
+    def __init__(self, front: Front, peer: str):
+        super().__init__()
+        self.front, self.peer = front, peer
+        self.ledger = front.ledger(peer) if front.max_unread else None
+        self.buf = bytearray()
+
+    def data_received(self, data):
+        if self.ledger is not None:
+            self.buf += data
+            try:
+                del self.buf[:note_acknowledgements(self.buf, 0, self.front.spec.max_frame_bytes,
+                                                    self.ledger)]
+            except FrameError as err:
+                # Never from this party's own brpc: stop reading rather than hold its peer to
+                # a window it can no longer see released.
+                self.front.event("stopped reading this party's frames", "outbound",
+                                 self.peer, str(err))
+                self.front.max_unread = 0
+                self.ledger, self.buf = None, bytearray()
+        super().data_received(data)
+
+
 def _client_context(tls: dict) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False      # the identity rule is checked on the certificate
@@ -647,7 +743,7 @@ def _server_context(tls: dict) -> ssl.SSLContext:
     return ctx
 
 
-async def _outbound(front: Front, peer: str, local: _Relay, ctx: ssl.SSLContext) -> None:
+async def _outbound(front: Front, peer: str, local: _Outbound, ctx: ssl.SSLContext) -> None:
     """brpc's plain connection to `peer` -> a TLS connection to the peer's front, relayed
     once the peer's certificate names `peer` and its host."""
     loop = asyncio.get_running_loop()
@@ -700,7 +796,7 @@ async def serve(spec: FrontSpec, announce=print) -> None:
         client_ctx = _client_context(spec.tls)
         for peer in spec.peers:
             def factory(peer=peer):
-                relay = _Relay()
+                relay = _Outbound(front, peer)
                 original = relay.connection_made
 
                 def made(transport, relay=relay):
@@ -724,7 +820,10 @@ async def serve(spec: FrontSpec, announce=print) -> None:
             if len(parts) == 2 and parts[0] == "cap" and parts[1].isascii() and parts[1].isdigit():
                 front.max_message_bytes = int(parts[1])
             elif parts == ["stats"]:
-                announce(json.dumps({**front.stats, "cpu_s": round(time.process_time(), 4)}))
+                most_unread = max((ledger.most_unread for ledger in front.ledgers.values()),
+                                  default=0)
+                announce(json.dumps({**front.stats, "most_unread": most_unread,
+                                     "cpu_s": round(time.process_time(), 4)}))
     await control()
     await asyncio.Event().wait()
 

@@ -178,6 +178,9 @@ def hello_key(config: NodeConfig) -> bytes:
 # 0.9.5's Desc) plus its key and protobuf framing.
 FRAME_SLACK_BYTES = 64 << 10
 MESSAGE_SLACK_BYTES = 1 << 20
+# yacl's sender waits once `throttle_window_size` (10 in SPU 0.9.5's Desc) of its messages are
+# unread by the receiver; the front allows this many more before it blames the peer.
+UNREAD_SLACK_MESSAGES = 2
 
 
 def message_cap_bytes(config: NodeConfig, prompt_len: int | None = None) -> int:
@@ -214,7 +217,9 @@ def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
     cap = message_cap_bytes(config)
     shape = config.link.shape
     import spu.libspu.link as _link
-    frame = int(_link.Desc().http_max_payload_size) + FRAME_SLACK_BYTES
+    desc = _link.Desc()
+    frame = int(desc.http_max_payload_size) + FRAME_SLACK_BYTES
+    window = int(desc.throttle_window_size)
     return FrontSpec(
         party=party_id, rank=config.rank(party_id), listen_host=host, listen_port=int(port),
         link_id=f"{config.id}.{LINK_ID}",
@@ -222,6 +227,7 @@ def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
                      "address": addr} for pid, addr in config.parties if pid != party_id},
         hello_key=hello_key(config).hex(), max_frame_bytes=frame, max_message_bytes=cap,
         max_buffered_bytes=2 * cap, events_path=str(events_path),
+        max_unread_messages=window + UNREAD_SLACK_MESSAGES if window else 0,
         tls=None if tls is None else {"ca": tls.ca, "cert": tls.certs[party_id].cert,
                                       "key": tls.certs[party_id].key,
                                       "verify_depth": tls.verify_depth},
@@ -764,7 +770,8 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
                     "frames": now["frames"] - last[0]["frames"],
                     "bytes": now["bytes"] - last[0]["bytes"],
                     "cpu_s": round(now["cpu_s"] - last[0]["cpu_s"], 4),
-                    "max_message_so_far": now.get("max_message")}))
+                    "max_message_so_far": now.get("max_message"),
+                    "most_unread_so_far": now.get("most_unread")}))
             last[0] = now
             if is_client:
                 log(party_id, f"token {token} ({step.phase}, {step.wall_s:.2f} s)")
