@@ -1,47 +1,154 @@
-"""One 3-party loopback run of a small decode job, for comparing the link's cost with and
-without the parties' fronts (run it in two checkouts; results: docs/results.md "The front door"):
+"""What the parties' front doors cost: a 3-party loopback decode job run with this checkout
+(every party behind its front) and with a checkout from before the fronts, alternating, in one
+invocation; prints the ratio of wall per decode step (results: docs/results.md "The front
+door").
 
-    python -m experiments.front_cost OUTPUT_DIR [SHAPE|-] [JOB_JSON]
-    # SHAPE: link.shape (e.g. lan); JOB_JSON: job overrides, e.g. '{"model": "llama2-d1024",
-    # "seq_len": 1024, "max_new_tokens": 4, "prefill": "clear", "timeout_s": 1800}'
+    python -m experiments.front_cost OUTPUT_DIR [--against=REV] [--pairs=N] [--shape=SHAPE]
+                                     [--job=JSON]
+
+--against: a git revision without the fronts (default: the commit before them); it is checked
+out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without --against
+(`--against=none`), one run of this checkout only. --shape: link.shape (e.g. lan).
+--job: overrides of the job, e.g. '{"model": "llama2-d1024", "seq_len": 1024,
+"max_new_tokens": 4, "prefill": "clear", "timeout_s": 1800}'.
 
 The job: llama-tiny, 2 layers, a 32-token random prompt, `full`, 8 greedy tokens (7 decode
-steps), ABY3, free loopback ports. Prints one JSON line: the tokens and, per decode step, the
-wall seconds, the bytes and the messages every party's SPU profile counted.
+steps), ABY3, fresh loopback ports per run. Runs alternate (baseline, front, baseline, ...) so
+that the shared machine's load drifts over both alike. Per run: median wall per decode step,
+bytes and messages per step (every party's SPU profile), tokens; with the fronts, each front's
+CPU seconds per decode step (from the parties' logs). Writes OUTPUT_DIR/front_cost.jsonl (one
+line per run) and prints the per-pair ratios and their median.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
+import re
+import statistics
+import subprocess
 import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# The last commit before the fronts (the next one, 3b9b205, adds runtime/distributed/front.py).
+BEFORE_FRONTS = "30b4e43"
+
+# Run by the interpreter in a checkout's folder: the loopback launcher of that checkout (the
+# package moved from mpcache_jax.distributed to runtime.distributed after the fronts came).
+RUNNER = """
+import json, sys
+try:
+    from runtime.distributed.launch import run_loopback
+except ImportError:
+    from mpcache_jax.distributed.launch import run_loopback
+records = run_loopback(sys.argv[1], sys.argv[2])
+steps = [r for r in records if r.get("phase") == "decode"]
+print(json.dumps({"tokens": records[-1]["tokens"], "wall_s": [r["wall_s"] for r in steps],
+                  "comm_bytes": [r["comm_bytes"] for r in steps],
+                  "messages": [r["messages"] for r in steps]}))
+"""
+FRONT_STEP = re.compile(r"front step (\{.*\})")
+
+
+def front_cpu_per_step(run_dir: pathlib.Path) -> list[float]:
+    """Per party log, the median CPU seconds its front spent per decode step ([] without
+    fronts)."""
+    out = []
+    for log in sorted(run_dir.glob("party_*.log")):
+        cpu = [json.loads(m.group(1))["cpu_s"] for m in FRONT_STEP.finditer(log.read_text())
+               if json.loads(m.group(1))["phase"] == "decode"]
+        if cpu:
+            out.append(statistics.median(cpu))
+    return out
+
+
+def run_once(checkout: pathlib.Path, out: pathlib.Path, job: dict, shape) -> dict:
+    """One loopback run of `job` with the launcher of `checkout` -> its record."""
+    from experiments.faults import harness
+    from runtime.distributed.launch import free_ports
+    out.mkdir(parents=True, exist_ok=True)
+    raw = harness.node_config(3, "ABY3", free_ports(3), job=job,
+                              **({"shape": shape} if shape is not None else {}))
+    nodes = out / "nodes.json"
+    nodes.write_text(json.dumps(raw))
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(nodes), str(out / "run")],
+                          cwd=checkout, capture_output=True, text=True,
+                          env={**_env(), "PYTHONPATH": str(checkout)})
+    if proc.returncode != 0:
+        raise SystemExit(f"the run in {checkout} failed (exit {proc.returncode}); its parties' "
+                         f"logs are in {out / 'run'}:\n{proc.stderr[-2000:]}")
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    record["median_step_s"] = statistics.median(record["wall_s"])
+    record["front_cpu_s"] = front_cpu_per_step(out / "run")
+    return record
+
+
+def _env() -> dict:
+    import os
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def baseline_checkout(rev: str, out: pathlib.Path) -> pathlib.Path:
+    path = out / f"baseline_{rev}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev],
+                       check=True, capture_output=True)
+    return path
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) not in (2, 3, 4):
-        print("usage: python -m experiments.front_cost OUTPUT_DIR [SHAPE|-] [JOB_JSON]",
-              file=sys.stderr)
-        return 2
-    shape = argv[2] if len(argv) >= 3 and argv[2] != "-" else None
-    if shape is not None and shape[:1] == "{":
-        shape = json.loads(shape)
-    overrides = json.loads(argv[3]) if len(argv) == 4 else {}
+    parser = argparse.ArgumentParser(prog="python -m experiments.front_cost",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_dir", type=pathlib.Path)
+    parser.add_argument("--against", default=BEFORE_FRONTS,
+                        help="git revision without the fronts, or 'none' for one run")
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--shape", default=None, help="link.shape: lan, wan or a JSON object")
+    parser.add_argument("--job", default="{}", help="JSON overrides of the job")
+    args = parser.parse_args(argv[1:])
+    if args.pairs < 1:
+        parser.error("--pairs must be >= 1")
+    shape = json.loads(args.shape) if args.shape and args.shape[:1] == "{" else args.shape
+    try:
+        overrides = json.loads(args.job)
+    except json.JSONDecodeError as err:
+        parser.error(f"--job is not valid JSON ({err})")
     from experiments.faults import harness
-    from runtime.distributed.launch import free_ports, run_loopback
-    out = pathlib.Path(argv[1])
     job = dict(harness.TINY_JOB, policy="full", policy_options={}, budget=None, max_new_tokens=8,
                seq_len=32)
     job.update(overrides)
-    raw = harness.node_config(3, "ABY3", free_ports(3), job=job,
-                         **({"shape": shape} if shape is not None else {}))
+    out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "nodes.json"
-    path.write_text(json.dumps(raw))
-    records = run_loopback(path, out / "run")
-    steps = [r for r in records if r.get("phase") == "decode"]
-    print(json.dumps({"tokens": records[-1]["tokens"],
-                      "wall_s": [r["wall_s"] for r in steps],
-                      "comm_bytes": [r["comm_bytes"] for r in steps],
-                      "messages": [r["messages"] for r in steps]}))
+    if args.against == "none":
+        print(json.dumps(run_once(REPO, out / "front_0", job, shape)))
+        return 0
+    base = baseline_checkout(args.against, out)
+    ratios = []
+    with open(out / "front_cost.jsonl", "w") as results:
+        for i in range(args.pairs):
+            pair = {}
+            for label, checkout in (("before", base), ("front", REPO)):
+                record = run_once(checkout, out / f"{label}_{i}", job, shape)
+                pair[label] = record
+                results.write(json.dumps({"pair": i, "run": label, **record}) + "\n")
+                results.flush()
+            before, front = pair["before"], pair["front"]
+            same = (before["tokens"] == front["tokens"]
+                    and before["comm_bytes"] == front["comm_bytes"]
+                    and before["messages"] == front["messages"])
+            ratio = front["median_step_s"] / before["median_step_s"]
+            ratios.append(ratio)
+            cpu = statistics.mean(front["front_cpu_s"]) if front["front_cpu_s"] else float("nan")
+            print(f"pair {i}: before {before['median_step_s']:.3f} s/step, front "
+                  f"{front['median_step_s']:.3f} s/step ({ratio:.3f}x); front CPU "
+                  f"{cpu:.3f} s/step per party; tokens, bytes, messages "
+                  f"{'identical' if same else 'DIFFER'}", flush=True)
+            if not same:
+                print(f"  before: {before}\n  front: {front}", file=sys.stderr)
+    step = pair["front"]
+    print(f"median ratio (front / before) over {len(ratios)} pairs: "
+          f"{statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
+          f"{step['comm_bytes'][-1]:,} bytes / {step['messages'][-1]:,} messages per step")
     return 0
 
 
