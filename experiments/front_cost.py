@@ -5,6 +5,7 @@ door").
 
     python -m experiments.front_cost OUTPUT_DIR [--against=REV] [--pairs=N] [--shape=SHAPE]
                                      [--job=JSON]
+    python -m experiments.front_cost OUTPUT_DIR --relay   # one front's CPU per round trip
 
 --against: a git revision without the fronts (default: the commit before them); it is checked
 out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without --against
@@ -15,8 +16,8 @@ out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without
 The job: llama-tiny, 2 layers, a 32-token random prompt, `full`, 8 greedy tokens (7 decode
 steps), ABY3, fresh loopback ports per run. Runs alternate (baseline, front, baseline, ...) so
 that the shared machine's load drifts over both alike. Per run: median wall per decode step,
-bytes and messages per step (every party's SPU profile), tokens; with the fronts, each front's
-CPU seconds per decode step (from the parties' logs). Writes OUTPUT_DIR/front_cost.jsonl (one
+bytes and messages per step (every party's SPU profile), tokens, the parties' CPU per step;
+with the fronts, each front's CPU seconds per decode step (from the parties' logs). Writes OUTPUT_DIR/front_cost.jsonl (one
 line per run) and prints the per-pair ratios and their median.
 """
 from __future__ import annotations
@@ -45,7 +46,9 @@ records = run_loopback(sys.argv[1], sys.argv[2])
 steps = [r for r in records if r.get("phase") == "decode"]
 print(json.dumps({"tokens": records[-1]["tokens"], "wall_s": [r["wall_s"] for r in steps],
                   "comm_bytes": [r["comm_bytes"] for r in steps],
-                  "messages": [r["messages"] for r in steps]}))
+                  "messages": [r["messages"] for r in steps],
+                  "party_cpu_s": [sum(r["party_cpu_s"]) / len(r["party_cpu_s"])
+                                  for r in steps if r.get("party_cpu_s")]}))
 """
 FRONT_STEP = re.compile(r"front step (\{.*\})")
 
@@ -96,6 +99,64 @@ def baseline_checkout(rev: str, out: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def relay_cost(out: pathlib.Path, rounds: int = 5000) -> dict:
+    """One front (plain TCP) between a client that sends a 200-byte Push and waits for a
+    40-byte reply, and a stand-in brpc that replies to each: the front's CPU per relayed
+    request + reply, and the checks alone (parse_frame + check_push, timed in this process)."""
+    import socket
+    import threading
+    import timeit
+    from experiments.faults.forge import forge_frame, start_test_front
+    from runtime.distributed import front
+    from runtime.distributed.launch import free_ports
+    out.mkdir(parents=True, exist_ok=True)
+    proc, spec, backend, _ = start_test_front(out, free_ports(1)[0])
+    port = backend.getsockname()[1]
+    backend.shutdown(socket.SHUT_RDWR)    # wakes its accepting thread: the port is free
+    backend.close()     # replaced by one that answers each frame
+    answering = socket.create_server(("127.0.0.1", port))
+
+    def answer():
+        conn, _ = answering.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while conn.recv(1 << 20):
+            conn.sendall(b"r" * 40)
+    threading.Thread(target=answer, daemon=True).start()
+    frames = [forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % i, b"x" * 200, seq=i)
+              for i in range(1, rounds + 2)]
+    client = socket.create_connection(("127.0.0.1", spec.listen_port))
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def stats():
+        proc.stdin.write(b"stats\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())
+
+    def round_trip(frame):
+        client.sendall(frame)
+        got = 0
+        while got < 40:
+            got += len(client.recv(100))
+    round_trip(frames[0])
+    before = stats()
+    for frame in frames[1:]:
+        round_trip(frame)
+    after = stats()
+    proc.kill()
+    proc.wait()
+    ledger = front.PeerLedger()
+
+    def check():
+        push = front.parse_frame(frames[1], spec.max_frame_bytes)
+        front.check_push(push, bound_rank=0, my_rank=1, link_id=b"test.3pc.run",
+                         max_message_bytes=spec.max_message_bytes,
+                         max_buffered_bytes=spec.max_buffered_bytes, ledger=ledger)
+    checks_us = min(timeit.repeat(check, number=2000, repeat=5)) / 2000 * 1e6
+    return {"rounds": rounds, "front_cpu_us_per_round_trip":
+            round((after["cpu_s"] - before["cpu_s"]) / rounds * 1e6, 1),
+            "checks_us_per_frame": round(checks_us, 1)}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.front_cost",
                                      description=__doc__.split("\n\n")[0])
@@ -105,6 +166,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--shape", default=None, help="link.shape: lan, wan or a JSON object")
     parser.add_argument("--job", default="{}", help="JSON overrides of the job")
+    parser.add_argument("--relay", action="store_true",
+                        help="instead: one front's CPU per relayed request + reply, and the "
+                             "checks' share of it (no parties)")
     args = parser.parse_args(argv[1:])
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
@@ -119,6 +183,9 @@ def main(argv: list[str]) -> int:
     job.update(overrides)
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
+    if args.relay:
+        print(json.dumps(relay_cost(out / "relay")))
+        return 0
     if args.against == "none":
         print(json.dumps(run_once(REPO, out / "front_0", job, shape)))
         return 0
@@ -139,10 +206,12 @@ def main(argv: list[str]) -> int:
             ratio = front["median_step_s"] / before["median_step_s"]
             ratios.append(ratio)
             cpu = statistics.mean(front["front_cpu_s"]) if front["front_cpu_s"] else float("nan")
+            party = {k: statistics.median(r["party_cpu_s"]) if r["party_cpu_s"] else float("nan")
+                     for k, r in pair.items()}
             print(f"pair {i}: before {before['median_step_s']:.3f} s/step, front "
-                  f"{front['median_step_s']:.3f} s/step ({ratio:.3f}x); front CPU "
-                  f"{cpu:.3f} s/step per party; tokens, bytes, messages "
-                  f"{'identical' if same else 'DIFFER'}", flush=True)
+                  f"{front['median_step_s']:.3f} s/step ({ratio:.3f}x); CPU per step and party: "
+                  f"front {cpu:.3f} s, party {party['before']:.3f} -> {party['front']:.3f} s; "
+                  f"tokens, bytes, messages {'identical' if same else 'DIFFER'}", flush=True)
             if not same:
                 print(f"  before: {before}\n  front: {front}", file=sys.stderr)
     step = pair["front"]
