@@ -94,6 +94,10 @@ flags.DEFINE_integer("mpc_decode_steps", 1,
                      "decode bench: decode steps run per policy (a generation from the prefilled "
                      "cache); records hold the per-step average, each step's own cost in "
                      "`steps` (a policy that refreshes its selection pays on some steps only).")
+flags.DEFINE_bool("mpc_lm_head", True,
+                  "decode bench: also cost the LM head + argmax once (the real vocabulary: on "
+                  "Gemma 3's 262k entries the simulation peaks at ~20 GB of RAM); "
+                  "--nompc_lm_head costs the layers only.")
 flags.DEFINE_integer("no_cache_max_len", 512, "Longest cache length costed for no_cache.")
 flags.DEFINE_integer("gather_tokens", 1024, "Table 2: tokens T.")
 flags.DEFINE_integer("gather_clusters", 64, "Table 2: clusters C.")
@@ -123,7 +127,7 @@ EXPERIMENT_FLAGS = {
     "mpc_cost": COMMON_FLAGS | {"layers", "backend", "policies", "variants", "budgets", "protocol",
                                 "runtime_config", "seq_lens", "mpc_bench", "topk_method",
                                 "mpc_share_from", "softmax", "no_cache_max_len", "mpc_repeats",
-                                "mpc_decode_steps", "gather_tokens", "gather_clusters", "gather_dim", "topk_rows",
+                                "mpc_decode_steps", "mpc_lm_head", "gather_tokens", "gather_clusters", "gather_dim", "topk_rows",
                                 "topk_sizes", "prompt", "system_prompt", "chat",
                                 "max_new_tokens"},
     "nodes": frozenset({"experiment", "backend", "node_config", "policies", "seq_lens", "model",

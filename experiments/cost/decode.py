@@ -73,23 +73,25 @@ def bench_decode(cfg: CostConfig, harness: Harness):
     model = Model(cfgm)
     params = model.init_params(cfg.seed)
     params_shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    head_params = {k: loaded.params[k] for k in ("final_norm", "lm_head")}
+    head_params = ({k: loaded.params[k] for k in ("final_norm", "lm_head")} if cfg.lm_head
+                   else None)
     del loaded
     rng = np.random.RandomState(cfg.seed)
     layers = {"num_layers": cfgm.num_layers}
     picked = {"layers": list(cfg.layers)} if cfg.layers else {}
     new_slots = max(NEW_SLOTS, cfg.decode_steps)
     for protocol, mpc_cfg, backend in harness.backends():
-        # LM head + argmax: policy independent, once per protocol.
-        head_model = Model(full_cfg)
-        head = backend.compile(mpc.head_fn(head_model), (head_params,
-                                                         np.zeros((1, cfgm.hidden_size), np.float32)),
-                               (mpc.SECRET, mpc.SECRET))
-        hidden = backend.share(rng.randn(1, cfgm.hidden_size).astype(np.float32) * 0.1, mpc.SECRET)
-        _, cost, wall = backend.run(head, backend.share(head_params, mpc.SECRET, owner=mpc.SERVER),
-                                    hidden)
-        harness.record("decode", protocol, mpc_cfg, cost, wall, policy="lm_head", seq_len=0,
-                       **layers, extra={"scope": "lm_head", "vocab_size": full_cfg.vocab_size})
+        if head_params is not None:   # LM head + argmax: policy independent, once per protocol
+            head_model = Model(full_cfg)
+            head = backend.compile(mpc.head_fn(head_model),
+                                   (head_params, np.zeros((1, cfgm.hidden_size), np.float32)),
+                                   (mpc.SECRET, mpc.SECRET))
+            hidden = backend.share(rng.randn(1, cfgm.hidden_size).astype(np.float32) * 0.1,
+                                   mpc.SECRET)
+            _, cost, wall = backend.run(head, backend.share(head_params, mpc.SECRET,
+                                                            owner=mpc.SERVER), hidden)
+            harness.record("decode", protocol, mpc_cfg, cost, wall, policy="lm_head", seq_len=0,
+                           **layers, extra={"scope": "lm_head", "vocab_size": full_cfg.vocab_size})
         # MLP activation alone (exp/reciprocal of SiLU share op classes with the softmax).
         from models.transformer import activation_fn
         act = activation_fn(cfgm.activation, cfgm.activation_impl)

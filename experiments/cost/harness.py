@@ -58,6 +58,7 @@ class CostConfig:
     no_cache_max_len: int = 512
     repeats: int = 1
     decode_steps: int = 1
+    lm_head: bool = True             # decode bench: cost the LM head + argmax once
     gather_tokens: int = 1024
     gather_clusters: int = 64
     gather_dim: int = 128
@@ -104,7 +105,7 @@ class CostConfig:
                              f"{','.join(FLAGS.budgets)}")
         fields = {f.name for f in dataclasses.fields(cls)} - {
             "bench", "protocols", "policies", "budget", "share_from", "seq_lens", "topk_sizes",
-            "repeats", "decode_steps", "layers"}
+            "repeats", "decode_steps", "layers", "lm_head"}
         try:
             layers = tuple(int(i) for i in FLAGS.layers) if FLAGS.layers else None
         except ValueError:
@@ -114,7 +115,7 @@ class CostConfig:
                    protocols=protocols_of(FLAGS.backend, FLAGS.protocol, FLAGS.runtime_config),
                    policies=tuple(parse_variants(FLAGS)), budget=parse_budget(FLAGS.budgets[0]),
                    share_from=FLAGS.mpc_share_from, repeats=FLAGS.mpc_repeats,
-                   decode_steps=FLAGS.mpc_decode_steps,
+                   decode_steps=FLAGS.mpc_decode_steps, lm_head=FLAGS.mpc_lm_head,
                    seq_lens=tuple(int(t) for t in FLAGS.seq_lens),
                    topk_sizes=tuple(int(n) for n in FLAGS.topk_sizes),
                    **{name: getattr(FLAGS, name) for name in fields})
