@@ -160,12 +160,14 @@ class Model:
         if length is None:
             logits, cache, queries = _prefill(self, params, tokens, cache, return_queries,
                                               all_logits)
-            return logits, cache, PrefillAux(queries=queries, prompt_len=T)
+            return logits, cache, PrefillAux(queries=queries, prompt_len=T,
+                                             normalized_keys=self.cfg.qk_norm)
         length = jnp.asarray(length, jnp.int32)
         logits, cache, queries = _prefill(self, params, tokens, cache, return_queries, all_logits,
                                           length)
         return logits, cache, PrefillAux(queries=queries, prompt_len=T, length=length,
-                                         min_length=min_length)
+                                         min_length=min_length,
+                                         normalized_keys=self.cfg.qk_norm)
 
     def decode_step(self, params, token, pos, cache: KVCache,
                     policy: AttentionPolicy = FULL):

@@ -31,12 +31,15 @@ class PrefillAux:
     for them); prompt_len: static T, the number of prompt slots. Bucketed prompts (padded to
     a bucket, `mpcache_jax.extent`): length = the int32 number of real tokens (a public
     runtime value <= prompt_len), min_length = the smallest length the bucket holds.
+    normalized_keys: the model RMS-normalizes every key over its head dimension (QK-norm, as
+    Gemma 3): a key's norm then comes from a learned scale, not from the token.
     """
 
     queries: tuple[jax.Array, ...] | None
     prompt_len: int = flax.struct.field(pytree_node=False)
     length: jax.Array | None = None
     min_length: int = flax.struct.field(pytree_node=False, default=1)
+    normalized_keys: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,8 @@ def prefill_fn(model, policy: AttentionPolicy, max_new_tokens: int):
     policy's compression (static eviction) in one program."""
     def prefill(params, prompt, cache):
         logits, dense, queries = dense_prefill(model, params, prompt, cache, policy.needs_queries)
-        aux = PrefillAux(queries=queries, prompt_len=prompt.shape[0])
+        aux = PrefillAux(queries=queries, prompt_len=prompt.shape[0],
+                         normalized_keys=model.cfg.qk_norm)
         compressed = policy.compress(policy_layers(dense), aux, max_new_tokens)
         return greedy(logits), logits, with_policy_layers(dense, compressed)
     return prefill

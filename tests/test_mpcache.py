@@ -8,7 +8,10 @@ from mpcache_jax import primitives as P
 from mpcache_jax.cache import empty_layer
 from runtime.generate import compress_cache
 from mpcache_jax.policies import POLICY_NAMES, MPCache, make_policy
+from mpcache_jax.cache import LayerKV
 from mpcache_jax.policies.base import PrunedLayer
+from mpcache_jax.policies.mpcache import inverse_norms
+from mpcache_jax.policy import PrefillAux
 from mpcache_jax.extent import Extent
 from models import registry
 from tests.decode_helpers import teacher_forced_logits
@@ -223,15 +226,16 @@ def test_decode_compiles_once_per_policy(tiny):
     assert model_module._decode._cache_size() == size
 
 
-@pytest.mark.parametrize("token_score", ["dot", "cosine"])
+@pytest.mark.parametrize("token_score", ["dot", "cosine", "projection"])
 @pytest.mark.parametrize("scope,group_reduce", [("layer", "sum"), ("head", "sum"),
                                                 ("layer", "max"), ("head", "max")])
 def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope, group_reduce,
                                                                  token_score):
     """similarity="exact": the chosen clusters are the forced first/last ones and those whose
-    best token scores highest (a token's score: its GQA group's summed or best q . k, or
-    cos(q, k) with token_score="cosine", then summed over the KV heads for a per-layer
-    selection). Keys and queries have spread norms, so the two token scores rank apart."""
+    best token scores highest (a token's score: its GQA group's summed or best q . k, cos(q, k)
+    with token_score="cosine" or q . k / |q| with "projection", then summed over the KV heads
+    for a per-layer selection). Keys and queries have spread norms, so the three token scores
+    rank apart."""
     rng = np.random.RandomState(3)
     Hkv, G, d, S, s = 2, 2, 8, 64, 4
     policy = MPCache(budget=24, levels=((s, None),), select_scope=scope,
@@ -239,7 +243,7 @@ def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope, group_re
     k = rng.randn(Hkv, S, d) * rng.uniform(0.2, 5.0, size=(Hkv, S, 1))
     q = rng.randn(Hkv * G, d) * rng.uniform(0.2, 5.0, size=(Hkv * G, 1))
     k, q = jnp.asarray(k, jnp.float32), jnp.asarray(q, jnp.float32)
-    state = prompt_state(k, policy.layer_extras(k, jnp.ones((Hkv, S), jnp.float32)))
+    state = prompt_state(k, inverse_norms(k) if token_score == "cosine" else None)
     chosen = np.asarray(policy.select(q, state))
     assert chosen.shape == ((1 if scope == "layer" else Hkv), 24 // s, S // s)
 
@@ -257,12 +261,41 @@ def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope, group_re
         return picks
 
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    want = expected(np.asarray(q), np.asarray(k)) if token_score == "dot" else \
-        expected(unit(np.asarray(q)), unit(np.asarray(k)))
-    other = expected(unit(np.asarray(q)), unit(np.asarray(k))) if token_score == "dot" else \
-        expected(np.asarray(q), np.asarray(k))
-    assert want != other
-    assert [set(row.argmax(-1).tolist()) for row in chosen] == want
+    qn, kn = np.asarray(q), np.asarray(k)
+    picks = {"dot": expected(qn, kn), "cosine": expected(unit(qn), unit(kn)),
+             "projection": expected(unit(qn), kn)}
+    assert all(picks[token_score] != picks[other] for other in picks if other != token_score)
+    assert [set(row.argmax(-1).tolist()) for row in chosen] == picks[token_score]
+
+
+@pytest.mark.parametrize("normalized_keys", [False, True])
+def test_auto_token_score_is_the_cosine_on_models_with_normalized_keys(normalized_keys):
+    """token_score="auto" (the default) decides at prefill: a model whose keys are
+    RMS-normalized per head (QK-norm: PrefillAux.normalized_keys) gets the cosine selection
+    (the layers carry the keys' inverse norms), any other the dot product; each picks as the
+    explicit setting does."""
+    rng = np.random.RandomState(7)
+    Hkv, G, d, T = 1, 4, 8, 64
+    k = rng.randn(Hkv, T, d) * rng.uniform(0.2, 5.0, size=(Hkv, T, 1))
+    q = jnp.asarray(rng.randn(Hkv * G, d) * rng.uniform(0.2, 5.0, size=(Hkv * G, 1)), jnp.float32)
+    dense = LayerKV(jnp.asarray(np.pad(k, ((0, 0), (0, 4), (0, 0))), jnp.float32),
+                    jnp.zeros((Hkv, T + 4, d), jnp.float32), jnp.asarray(T, jnp.int32))
+    aux = PrefillAux(queries=None, prompt_len=T, normalized_keys=normalized_keys)
+
+    def picks(**options):
+        policy = MPCache(budget=16, levels=((4, None),), **options)
+        state = policy.compress((dense,), aux, 4)[0]
+        return state, sorted(np.asarray(policy.select(q, state))[0].argmax(-1).tolist())
+    state, auto = picks()
+    _, dot = picks(token_score="dot")
+    _, cosine = picks(token_score="cosine")
+    assert dot != cosine
+    assert auto == (cosine if normalized_keys else dot)
+    if normalized_keys:
+        np.testing.assert_allclose(np.asarray(state.extras),
+                                   1 / np.linalg.norm(k, axis=-1), rtol=1e-4)
+    else:
+        assert state.extras is None
 
 
 def test_cosine_token_score_needs_the_exact_similarity():

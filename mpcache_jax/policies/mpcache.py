@@ -46,7 +46,7 @@ from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, Workin
                                        prompt_kv, window_attention_mass)
 
 SIMILARITIES = ("exact", "alpha", "mp", "avg")
-TOKEN_SCORES = ("dot", "cosine")
+TOKEN_SCORES = ("auto", "dot", "cosine", "projection")
 SELECT_SCOPES = ("auto", "layer", "head")
 # select_scope="auto" selects per KV head on models with at most this many KV heads, else once
 # per layer: the selection's top-k and one-hots scale with the rows that select. Measured:
@@ -55,6 +55,12 @@ SELECT_SCOPES = ("auto", "layer", "head")
 # llama2-d1024 (32 KV heads) keeps the per-layer selection (WORKSPACE.md "Fidelity").
 AUTO_HEAD_MAX_KV_HEADS = 4
 STATIC_SCOPES = ("layer", "head", "model")
+
+
+def inverse_norms(k: jax.Array) -> jax.Array:
+    """1 / |k| per key: k [H_kv, S, d] -> [H_kv, S] (an empty slot's zeros give a large value
+    that its validity mask removes)."""
+    return jax.lax.rsqrt(jnp.sum(k * k, axis=-1) + 1e-6)
 
 
 def _is_ratio_or_count(value) -> bool:
@@ -88,9 +94,16 @@ class MPCache(PromptEvictionPolicy):
       (q . (alpha r_max + (1 - alpha) r_min), the paper), "mp" (the exact upper bound
       sum_i max(q_i r_max_i, q_i r_min_i)) or "avg" (the cluster mean).
     token_score: what the "exact" similarity reads per token: "dot" (the step's attention
-      score q . k) or "cosine" (q . k / (|q| |k|): direction only, as `longcache` scores; the
+      score q . k), "cosine" (q . k / (|q| |k|): direction only, as `longcache` scores; the
       prompt keys' inverse norms are computed once at prefill, the step divides by its
-      queries' norms and multiplies by the keys' inverse norms elementwise).
+      queries' norms and multiplies by the keys' inverse norms elementwise) or "projection"
+      (q . k / |q|: the key's length along the query, so that the query heads of a group
+      compare on one scale while a key's norm still counts). "auto": "cosine" on models whose
+      keys are RMS-normalized per head (QK-norm, `PrefillAux.normalized_keys`: Gemma 3), where
+      a key's norm is a learned scale's and the dot product misled the selection at 8192
+      tokens; "dot" otherwise (SmolLM2, where the cosine lost; docs/models.md "Fidelity at
+      2048 and 8192 tokens"). Decided at prefill: a cosine layer carries its keys' inverse
+      norms as `extras`.
     group_reduce: how the query heads of one KV head (a GQA group) combine their scores of a
       token ("exact" only): "sum" (their summed q . k) or "max" (the best head's: a token one
       head needs is not outvoted by the others). A per-layer selection then sums over KV heads.
@@ -126,7 +139,7 @@ class MPCache(PromptEvictionPolicy):
     levels: tuple = ((16, 0.2), (4, None))
     oversample: float = 2.0
     similarity: str = "exact"
-    token_score: str = "dot"
+    token_score: str = "auto"
     alpha: float = 0.6
     group_reduce: str = "max"
     select_scope: str = "auto"
@@ -191,7 +204,7 @@ class MPCache(PromptEvictionPolicy):
             raise ValueError(f"similarity={self.similarity!r}; use one of {SIMILARITIES}")
         if self.token_score not in TOKEN_SCORES:
             raise ValueError(f"token_score={self.token_score!r}; use one of {TOKEN_SCORES}")
-        if self.token_score != "dot" and self.similarity != "exact":
+        if self.token_score in ("cosine", "projection") and self.similarity != "exact":
             raise ValueError(f"token_score={self.token_score!r} scores single tokens: it needs "
                              f"similarity='exact', not {self.similarity!r}")
         if self.group_reduce not in ("sum", "max"):
@@ -349,9 +362,18 @@ class MPCache(PromptEvictionPolicy):
                     self.layer_extras(k, region_valid), prompt_len=T, kept=T,
                     length=None if extent.static else extent.length, low=extent.low))
             layers = tuple(layers)
+        if self.uses_cosine(aux):
+            layers = tuple(layer.replace(extras=inverse_norms(layer.k)) for layer in layers)
         if not self.reuses:
             return layers
         return tuple(layer.replace(working=self._empty_working_set(layer)) for layer in layers)
+
+    def uses_cosine(self, aux) -> bool:
+        """Whether this prompt's selection scores tokens by cos(q, k) (`token_score`)."""
+        if not self.dynamic or self.similarity != "exact":
+            return False
+        return self.token_score == "cosine" or (self.token_score == "auto"
+                                                and bool(aux.normalized_keys))
 
     def _empty_working_set(self, state: PrunedLayer) -> WorkingSet:
         Hkv, _, d = state.k.shape
@@ -439,14 +461,10 @@ class MPCache(PromptEvictionPolicy):
 
     def layer_extras(self, kept_k, valid):
         """Per-level cluster digests (bounding boxes or means), once per prompt. "exact" scores
-        clusters with the step's own attention scores: it needs none, or with the cosine token
-        score the kept keys' inverse norms [H_kv, S]."""
-        if not self.dynamic:
+        clusters with the step's own attention scores: none (`compress` adds the keys' inverse
+        norms for the cosine token score)."""
+        if not self.dynamic or self.similarity == "exact":
             return None
-        if self.similarity == "exact":
-            if self.token_score == "dot":
-                return None
-            return jax.lax.rsqrt(jnp.sum(kept_k * kept_k, axis=-1) + 1e-6)
         digests = []
         for s in self.sizes:
             r_max, r_min = P.cluster_bounds(kept_k, s, valid)
@@ -492,11 +510,12 @@ class MPCache(PromptEvictionPolicy):
             return [digest_level(i) for i in range(len(self.sizes))]
         if scores is None:
             scores = attention.grouped_scores(qg.reshape(-1, qg.shape[-1]), state.k)
-        if self.token_score == "cosine":   # positive scalings: per query head, then per key
+        cosine = state.extras is not None      # compress decided (`uses_cosine`)
+        if cosine or self.token_score == "projection":   # positive scalings per query head
             scores = scores * jax.lax.rsqrt(jnp.sum(qg * qg, axis=-1, keepdims=True) + 1e-6)
         reduce = jnp.max if self.group_reduce == "max" else jnp.sum
         token = reduce(scores, axis=1)                                        # [H_kv, S]
-        if self.token_score == "cosine":
+        if cosine:
             token = token * state.extras                                      # [H_kv, S]
         if per_layer:
             token = jnp.sum(token, axis=0, keepdims=True)
