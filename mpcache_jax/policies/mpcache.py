@@ -14,7 +14,8 @@ Two configurations are registered (policies/__init__.py):
   SmolLM2 the prompt's last queries vote against answer tokens: at a 50% keep only ~20% of
   an answer's tokens survive); a cluster scores its best token's q . k, read from the
   step's own attention scores (the quantity the paper's bounding boxes approximate:
-  `similarity="exact"`), a token scoring its best query head of the GQA group
+  `similarity="exact"`; cos(q, k) instead on models with QK-norm, `token_score="auto"`),
+  a token scoring its best query head of the GQA group
   (`group_reduce="max"`: with the group's summed logits selection kept less of the answer
   span and mostly agreed less with `full`, WORKSPACE.md "The GQA group's best head"); every layer
   selects (sharing across layers costs 4-8x the KL on SmolLM2); clusters of 16 (the best
