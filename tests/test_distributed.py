@@ -503,6 +503,49 @@ def test_tls_between_parties(tmp_path):
         assert 1 <= steps[-1]["most_unread_so_far"] <= 12
 
 
+def _non_loopback_address() -> str | None:
+    """An IPv4 address of this machine other than loopback (the one a UDP socket would send
+    from; nothing is sent), or None."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))
+            address = sock.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_plain_tcp_to_remote_peers_holds_them_to_the_unread_window(tmp_path):
+    """With `insecure` plain TCP to a non-loopback address, brpc's outgoing connections pass
+    the party's front as under TLS, so the front reads this party's acknowledgements and holds
+    each peer to yacl's throttle window of unread messages; the run gives the plaintext
+    tokens."""
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    raw = node_config(2, "SEMI2K", insecure=True)
+    for pid, port in zip(("node:0", "node:1"), free_ports(2)):
+        raw["nodes"][pid] = f"{address}:{port}"
+    path = write(tmp_path, raw)
+    procs = {pid: subprocess.Popen([sys.executable, "-m", "experiments.party",
+                                    f"--node_config={path}", f"--party={pid}",
+                                    f"--output_dir={tmp_path / harness.tag(pid)}"],
+                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+             for pid in ("node:0", "node:1")}
+    logs = {pid: p.communicate(timeout=300)[0] for pid, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), logs
+    record = [json.loads(line) for line in
+              (tmp_path / "node_1" / "results.jsonl").read_text().splitlines()][-1]
+    xla_tokens, _ = reference(TINY_JOB)
+    assert record["tokens"] == xla_tokens.tolist()
+    for pid, log in logs.items():
+        steps = [json.loads(line.split("front step ", 1)[1]) for line in log.splitlines()
+                 if "front step " in line]
+        assert steps and 1 <= steps[-1]["most_unread_so_far"] <= 12, pid
+
+
 # ----- TLS identity and faults before link-up -------------------------------------------------
 
 PARTIES3 = ["node:0", "node:1", "node:2"]

@@ -67,7 +67,8 @@ def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
     sequence number after the key (0: unnumbered, as only its connection test sends)."""
     request = pb_field(1, service) + pb_field(2, b"Push")
     meta = pb_field(1, request) + pb_field(3, 0) + pb_field(4, 12345)
-    push = pb_field(1, sender_rank) + pb_field(2, key + b"\x01\x02" + str(seq).encode()) + pb_field(3, value)
+    push = (pb_field(1, sender_rank) + pb_field(2, key + b"\x01\x02" + str(seq).encode())
+            + pb_field(3, value))
     if message_length is not None:
         push += pb_field(4, 1) + pb_field(5, pb_field(1, message_length)
                                             + pb_field(2, chunk_offset))

@@ -24,16 +24,18 @@ For each incoming connection the front
    (offset + chunk > length) or restates another length; the sender rank is not the node the
    connection is bound to (under TLS: its certificate; in plain TCP: its first frame), or
    is this party, or the key's `src->dst` is not `bound rank -> this party`; the unfinished
-   chunked messages of one peer would hold more than `max_buffered_bytes`; under TLS, the
-   peer would have more than `max_unread_messages` complete messages this party has not read
-   (PeerLedger: the outbound side reads this party's acknowledgements).
+   chunked messages of one peer would hold more than `max_buffered_bytes`; with an outbound
+   side (TLS, or plain TCP to remote peers), the peer would have more than
+   `max_unread_messages` complete messages this party has not read (PeerLedger: the outbound
+   side reads this party's acknowledgements).
 
 Frames are relayed whole (store and forward, at most one frame of `max_frame_bytes` buffered
-per connection), so nothing that fails a check reaches brpc. Under TLS a party's outgoing brpc
-connections also go through this process: brpc connects in plain TCP to a local port per
-peer (`outbound`), the front opens the TLS connection to the peer's front with this party's
-certificate and checks the peer's certificate by the identity rule before relaying a byte,
-and reads the acknowledgements among brpc's requests.
+per connection), so nothing that fails a check reaches brpc. Under TLS, and in plain TCP when a
+peer is not on loopback (`relay_outbound`), a party's outgoing brpc connections also go through
+this process: brpc connects in plain TCP to a local port per peer (`outbound`), the front
+opens the connection to the peer's front (under TLS with this party's certificate, checking
+the peer's certificate by the identity rule before relaying a byte) and reads the
+acknowledgements among brpc's requests.
 
 Events (a refused connection, a dropped frame) are printed as one `[party X] front: ...`
 line each on stderr and appended as JSON lines to `events_path`, which the party's worker
@@ -224,7 +226,7 @@ def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
 @dataclasses.dataclass
 class PeerLedger:
     """What one peer node has in flight: unfinished chunked messages {key: [length, got]};
-    under TLS also its complete messages this party has not read yet {seq: bytes} (`unread`:
+    with an outbound side also its complete messages this party has not read yet {seq: bytes} (`unread`:
     yacl acknowledges a message, naming its sequence number, when the program reads it, and
     a sender waits for acknowledgements once `throttle window` messages are unread, so an
     honest peer never has more unread here). `read_floor`/`read_above`: the sequence numbers
@@ -415,10 +417,11 @@ class FrontSpec:
     max_message_bytes: int
     max_buffered_bytes: int
     events_path: str
-    # Under TLS: the most complete messages of one peer this party may hold unread (the
-    # link's throttle window + slack; 0 = no bound). Needs the outbound side, which sees this
-    # party's acknowledgements: plain-TCP fronts do not relay them.
+    # The most complete messages of one peer this party may hold unread (the link's throttle
+    # window + slack; 0 = no bound). Needs the outbound side, which sees this party's
+    # acknowledgements: under TLS, or with `relay_outbound` (plain TCP to remote peers).
     max_unread_messages: int = 0
+    relay_outbound: bool = False
     tls: dict[str, Any] | None = None
     # Traffic shaping of the frames this party receives (config.ShapeSpec): each waits for
     # its connection's rate (bytes per second, None = none), then `delay_s`.
@@ -457,7 +460,7 @@ class Front:
         self.rank_of = {node: int(p["rank"]) for node, p in spec.peers.items()}
         self.node_of = {r: n for n, r in self.rank_of.items()}
         self.ledgers: dict[str, PeerLedger] = {}
-        self.max_unread = spec.max_unread_messages if spec.tls else 0
+        self.max_unread = spec.max_unread_messages if (spec.tls or spec.relay_outbound) else 0
         self.max_message_bytes = spec.max_message_bytes
         # Relayed so far: frames, bytes, the largest message (declared length) seen.
         self.stats = {"frames": 0, "bytes": 0, "max_message": 0}
@@ -700,7 +703,7 @@ class _Relay(asyncio.Protocol):
 
 
 class _Outbound(_Relay):
-    """The local half of an outbound TLS relay: this party's brpc requests to `peer`, read for
+    """The local half of an outbound relay: this party's brpc requests to `peer`, read for
     the acknowledgements that mark the peer's messages as read (PeerLedger.unread) before
     they are forwarded."""
 
@@ -743,9 +746,10 @@ def _server_context(tls: dict) -> ssl.SSLContext:
     return ctx
 
 
-async def _outbound(front: Front, peer: str, local: _Outbound, ctx: ssl.SSLContext) -> None:
-    """brpc's plain connection to `peer` -> a TLS connection to the peer's front, relayed
-    once the peer's certificate names `peer` and its host."""
+async def _outbound(front: Front, peer: str, local: _Outbound,
+                    ctx: ssl.SSLContext | None) -> None:
+    """brpc's plain connection to `peer` -> a connection to the peer's front (TLS with `ctx`:
+    relayed once the peer's certificate names `peer` and its host; plain TCP without)."""
     loop = asyncio.get_running_loop()
     info = front.spec.peers[peer]
     host, _, port = info["address"].rpartition(":")
@@ -754,8 +758,8 @@ async def _outbound(front: Front, peer: str, local: _Outbound, ctx: ssl.SSLConte
     except (OSError, ssl.SSLError):
         local.transport.close()      # brpc retries; the watchdog names a peer that stays away
         return
-    cert = transport.get_extra_info("peercert")
-    node, why = certificate_node(cert, {peer: info})
+    node, why = (certificate_node(transport.get_extra_info("peercert"), {peer: info})
+                 if ctx is not None else (peer, ""))
     if node != peer:
         front.event("refused the server", info["address"], peer, why or "wrong identity")
         transport.abort()
@@ -792,8 +796,8 @@ async def serve(spec: FrontSpec, announce=print) -> None:
         raise SystemExit(2)
     outbound = {}
     servers = [server]
-    if spec.tls:
-        client_ctx = _client_context(spec.tls)
+    if spec.tls or spec.relay_outbound:
+        client_ctx = _client_context(spec.tls) if spec.tls else None
         for peer in spec.peers:
             def factory(peer=peer):
                 relay = _Outbound(front, peer)

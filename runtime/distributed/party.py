@@ -228,6 +228,11 @@ def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
         hello_key=hello_key(config).hex(), max_frame_bytes=frame, max_message_bytes=cap,
         max_buffered_bytes=2 * cap, events_path=str(events_path),
         max_unread_messages=window + UNREAD_SLACK_MESSAGES if window else 0,
+        # Plain TCP to a remote peer (link.insecure): brpc's outgoing connections pass the
+        # front too, which reads this party's acknowledgements (the unread bound). Loopback
+        # configs skip that hop (its cost: docs/results.md "The front door").
+        relay_outbound=tls is None and any(not is_loopback(addr.rpartition(":")[0])
+                                           for _, addr in config.parties),
         tls=None if tls is None else {"ca": tls.ca, "cert": tls.certs[party_id].cert,
                                       "key": tls.certs[party_id].key,
                                       "verify_depth": tls.verify_depth},
