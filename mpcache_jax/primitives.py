@@ -340,9 +340,14 @@ def budget_tokens(budget: float | int, total: int) -> int:
 # --- additions for the per-step retrieval baselines (LongCache, ArkVale, PQCache) ---------
 
 
+def inverse_norms(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """1 / |x| along the last axis: x [..., d] -> [...] (a zero row gives 1 / sqrt(eps))."""
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=-1) + eps)
+
+
 def unit_rows(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / |x| along the last axis (cosine similarity = dot product of unit rows)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x * inverse_norms(x, eps)[..., None]
 
 
 def cluster_mad_bounds(k: jax.Array, cluster_size: int, valid: jax.Array | None = None

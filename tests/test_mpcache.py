@@ -10,7 +10,6 @@ from runtime.generate import compress_cache
 from mpcache_jax.policies import POLICY_NAMES, MPCache, make_policy
 from mpcache_jax.cache import LayerKV
 from mpcache_jax.policies.base import PrunedLayer
-from mpcache_jax.policies.mpcache import inverse_norms
 from mpcache_jax.policy import PrefillAux
 from mpcache_jax.extent import Extent
 from models import registry
@@ -243,7 +242,7 @@ def test_exact_selection_picks_the_clusters_with_the_best_tokens(scope, group_re
     k = rng.randn(Hkv, S, d) * rng.uniform(0.2, 5.0, size=(Hkv, S, 1))
     q = rng.randn(Hkv * G, d) * rng.uniform(0.2, 5.0, size=(Hkv * G, 1))
     k, q = jnp.asarray(k, jnp.float32), jnp.asarray(q, jnp.float32)
-    state = prompt_state(k, inverse_norms(k) if token_score == "cosine" else None)
+    state = prompt_state(k, P.inverse_norms(k) if token_score == "cosine" else None)
     chosen = np.asarray(policy.select(q, state))
     assert chosen.shape == ((1 if scope == "layer" else Hkv), 24 // s, S // s)
 

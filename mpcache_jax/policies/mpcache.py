@@ -58,12 +58,6 @@ AUTO_HEAD_MAX_KV_HEADS = 4
 STATIC_SCOPES = ("layer", "head", "model")
 
 
-def inverse_norms(k: jax.Array) -> jax.Array:
-    """1 / |k| per key: k [H_kv, S, d] -> [H_kv, S] (an empty slot's zeros give a large value
-    that its validity mask removes)."""
-    return jax.lax.rsqrt(jnp.sum(k * k, axis=-1) + 1e-6)
-
-
 def _is_ratio_or_count(value) -> bool:
     if isinstance(value, bool):
         return False
@@ -364,7 +358,8 @@ class MPCache(PromptEvictionPolicy):
                     length=None if extent.static else extent.length, low=extent.low))
             layers = tuple(layers)
         if self.uses_cosine(aux):
-            layers = tuple(layer.replace(extras=inverse_norms(layer.k)) for layer in layers)
+            # [H_kv, S]; an empty slot's large value is removed by its validity mask
+            layers = tuple(layer.replace(extras=P.inverse_norms(layer.k)) for layer in layers)
         if not self.reuses:
             return layers
         return tuple(layer.replace(working=self._empty_working_set(layer)) for layer in layers)
@@ -513,7 +508,7 @@ class MPCache(PromptEvictionPolicy):
             scores = attention.grouped_scores(qg.reshape(-1, qg.shape[-1]), state.k)
         cosine = state.extras is not None      # compress decided (`uses_cosine`)
         if cosine or self.token_score == "projection":   # positive scalings per query head
-            scores = scores * jax.lax.rsqrt(jnp.sum(qg * qg, axis=-1, keepdims=True) + 1e-6)
+            scores = scores * P.inverse_norms(qg)[..., None]
         reduce = jnp.max if self.group_reduce == "max" else jnp.sum
         token = reduce(scores, axis=1)                                        # [H_kv, S]
         if cosine:
