@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 import statistics
 import subprocess
 import sys
@@ -50,16 +49,14 @@ print(json.dumps({"tokens": records[-1]["tokens"], "wall_s": [r["wall_s"] for r 
                   "party_cpu_s": [sum(r["party_cpu_s"]) / len(r["party_cpu_s"])
                                   for r in steps if r.get("party_cpu_s")]}))
 """
-FRONT_STEP = re.compile(r"front step (\{.*\})")
-
-
 def front_cpu_per_step(run_dir: pathlib.Path) -> list[float]:
     """Per party log, the median CPU seconds its front spent per decode step ([] without
     fronts)."""
+    from runtime.distributed.party import front_steps
     out = []
     for log in sorted(run_dir.glob("party_*.log")):
-        cpu = [json.loads(m.group(1))["cpu_s"] for m in FRONT_STEP.finditer(log.read_text())
-               if json.loads(m.group(1))["phase"] == "decode"]
+        cpu = [step["cpu_s"] for step in front_steps(log.read_text())
+               if step["phase"] == "decode"]
         if cpu:
             out.append(statistics.median(cpu))
     return out

@@ -26,7 +26,7 @@ from runtime.distributed import job as job_lib
 from runtime.distributed.compare import simulate
 from runtime.distributed.launch import (free_ports, prepare_config, start_parties,
                                         wait_parties)
-from runtime.distributed.party import run_party, warn_if_insecure
+from runtime.distributed.party import front_steps, run_party, warn_if_insecure
 from runtime.distributed.supervise import supervise
 from experiments.faults.harness import node_config as loopback_node_config
 
@@ -496,9 +496,7 @@ def test_tls_between_parties(tmp_path):
     # messages wait unread and this party's acknowledgements release them (without those, the
     # thousands of messages of the run would have passed the window of 12 and been dropped).
     for pid in parties:
-        steps = [json.loads(line.split("front step ", 1)[1]) for line in
-                 (tmp_path / "out" / f"party_{harness.tag(pid)}.log").read_text().splitlines()
-                 if "front step " in line]
+        steps = front_steps((tmp_path / "out" / f"party_{harness.tag(pid)}.log").read_text())
         assert steps and sum(step["frames"] for step in steps) > 100
         assert 1 <= steps[-1]["most_unread_so_far"] <= 12
 
@@ -541,8 +539,7 @@ def test_plain_tcp_to_remote_peers_holds_them_to_the_unread_window(tmp_path):
     xla_tokens, _ = reference(TINY_JOB)
     assert record["tokens"] == xla_tokens.tolist()
     for pid, log in logs.items():
-        steps = [json.loads(line.split("front step ", 1)[1]) for line in log.splitlines()
-                 if "front step " in line]
+        steps = front_steps(log)
         assert steps and 1 <= steps[-1]["most_unread_so_far"] <= 12, pid
 
 

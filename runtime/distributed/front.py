@@ -110,6 +110,12 @@ def read_varint(buf, i: int, end: int) -> tuple[int, int]:
     raise FrameError("a protobuf varint is longer than 10 bytes")
 
 
+def sequence_number(raw: bytes) -> int:
+    """yacl's decimal sequence number (a key's suffix after "\x01\x02", an ACK's value) -> int;
+    0 for anything that is not 1-20 ASCII digits."""
+    return int(raw) if 0 < len(raw) <= 20 and raw.isdigit() else 0
+
+
 def read_fields(buf, start: int, end: int) -> dict[int, Any]:
     """The fields of one protobuf message in buf[start:end] -> {number: value} (a repeated
     field: its last value, as protobuf merges scalars): varints as int, length-delimited as
@@ -206,7 +212,6 @@ def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
         raise FrameError("a Push without a sender rank or with a key over "
                          f"{MAX_KEY_BYTES} bytes")
     key_bytes, _, seq = bytes(buf[key[0]:sum(key)]).partition(SEQ_SEPARATOR)
-    seq = int(seq) if 0 < len(seq) <= 20 and seq.isdigit() else 0
     value = push.get(3, (0, 0))
     value_at, chunk_bytes = value if isinstance(value, tuple) else (0, 0)
     length = offset = None
@@ -218,7 +223,8 @@ def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
         length, offset = chunk.get(1, 0), chunk.get(2, 0)
         if not isinstance(length, int) or not isinstance(offset, int):
             raise FrameError("a chunked Push whose chunk info is not two integers")
-    return Push(HEADER.size + body, rank, key_bytes, chunk_bytes, length, offset, seq, value_at)
+    return Push(HEADER.size + body, rank, key_bytes, chunk_bytes, length, offset,
+                sequence_number(seq), value_at)
 
 
 # ----- the checks of one peer ---------------------------------------------------------------
@@ -226,10 +232,10 @@ def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
 @dataclasses.dataclass
 class PeerLedger:
     """What one peer node has in flight: unfinished chunked messages {key: [length, got]};
-    with an outbound side also its complete messages this party has not read yet {seq: bytes} (`unread`:
-    yacl acknowledges a message, naming its sequence number, when the program reads it, and
-    a sender waits for acknowledgements once `throttle window` messages are unread, so an
-    honest peer never has more unread here). `read_floor`/`read_above`: the sequence numbers
+    with an outbound side also its complete messages this party has not read yet {seq: bytes}
+    (`unread`: yacl acknowledges a message, naming its sequence number, when the program reads
+    it, and a sender waits for acknowledgements once `throttle window` messages are unread, so
+    an honest peer never has more unread here). `read_floor`/`read_above`: the sequence numbers
     already acknowledged (all up to the floor, and those above it), so that a retried
     delivery of a read message is not counted again."""
 
@@ -348,17 +354,17 @@ def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
 
 def note_acknowledgements(buf, at: int, max_frame_bytes: int, ledger: PeerLedger) -> int:
     """Read this party's own outgoing frames to a peer in buf[at:] (its brpc's requests, relayed
-    by the outbound side under TLS): each yacl ACK marks the peer's message it names as read in
-    `ledger`. Returns where the first incomplete frame starts. Raises FrameError on bytes that
-    are not brpc frames (this party's own brpc never sends them)."""
+    by the outbound side): each yacl ACK marks the peer's message it names as read in `ledger`.
+    Returns where the first incomplete frame starts. Raises FrameError on bytes that are not
+    brpc frames (this party's own brpc never sends them)."""
     while True:
         push = parse_frame(buf, max_frame_bytes, at)
         if push is None:
             return at
         if push.key == b"ACK":
-            seq = bytes(buf[push.value_at:push.value_at + push.chunk_bytes])
-            if 0 < len(seq) <= 20 and seq.isdigit():
-                ledger.read(int(seq))
+            seq = sequence_number(bytes(buf[push.value_at:push.value_at + push.chunk_bytes]))
+            if seq:
+                ledger.read(seq)
         at += push.frame_bytes
 
 
@@ -466,8 +472,8 @@ class Front:
         self.stats = {"frames": 0, "bytes": 0, "max_message": 0}
 
     def ledger(self, node: str) -> PeerLedger:
-        """The ledger of peer `node` (shared by its inbound connections and, under TLS, by
-        the outbound side that sees this party's acknowledgements to it)."""
+        """The ledger of peer `node` (shared by its inbound connections and the outbound side
+        that sees this party's acknowledgements to it)."""
         found = self.ledgers.get(node)
         if found is None:
             found = self.ledgers[node] = PeerLedger()
@@ -672,7 +678,7 @@ class _Inbound(asyncio.Protocol):
 class _Relay(asyncio.Protocol):
     """A raw relay half: bytes in go to `other`'s transport (kept until it has one); closing
     one side closes the other. Carries brpc's replies back to an _Inbound connection, and both
-    directions of an outbound TLS connection."""
+    directions of an outbound connection."""
 
     def __init__(self, other: "asyncio.Protocol | None" = None):
         self.transport = None
@@ -707,11 +713,15 @@ class _Outbound(_Relay):
     the acknowledgements that mark the peer's messages as read (PeerLedger.unread) before
     they are forwarded."""
 
-    def __init__(self, front: Front, peer: str):
+    def __init__(self, front: Front, peer: str, ctx: ssl.SSLContext | None):
         super().__init__()
-        self.front, self.peer = front, peer
+        self.front, self.peer, self.ctx = front, peer, ctx
         self.ledger = front.ledger(peer) if front.max_unread else None
         self.buf = bytearray()
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        asyncio.ensure_future(_outbound(self.front, self.peer, self, self.ctx))
 
     def data_received(self, data):
         if self.ledger is not None:
@@ -780,7 +790,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 async def serve(spec: FrontSpec, announce=print) -> None:
-    """Bind the public port (and under TLS one local port per peer), announce, serve."""
+    """Bind the public port (and, with an outbound side, one local port per peer), announce,
+    serve."""
     loop = asyncio.get_running_loop()
     backend_port = free_port()
     front = Front(spec, backend_port)
@@ -799,16 +810,8 @@ async def serve(spec: FrontSpec, announce=print) -> None:
     if spec.tls or spec.relay_outbound:
         client_ctx = _client_context(spec.tls) if spec.tls else None
         for peer in spec.peers:
-            def factory(peer=peer):
-                relay = _Outbound(front, peer)
-                original = relay.connection_made
-
-                def made(transport, relay=relay):
-                    original(transport)
-                    asyncio.ensure_future(_outbound(front, peer, relay, client_ctx))
-                relay.connection_made = made
-                return relay
-            srv = await loop.create_server(factory, "127.0.0.1", 0)
+            srv = await loop.create_server(lambda peer=peer: _Outbound(front, peer, client_ctx),
+                                           "127.0.0.1", 0)
             servers.append(srv)
             outbound[peer] = srv.sockets[0].getsockname()[1]
     announce(json.dumps({"ready": True, "backend_port": backend_port, "outbound": outbound}))

@@ -144,6 +144,17 @@ class FrontHandle:
             pass
 
 
+# A party's log line per generation step: what its front relayed (`run_party`).
+FRONT_STEP = "front step "
+
+
+def front_steps(log_text: str) -> list[dict]:
+    """The `front step` records of a party's log, in order: {"phase", "position", "frames",
+    "bytes", "cpu_s", "max_message_so_far", "most_unread_so_far"}."""
+    return [json.loads(line.split(FRONT_STEP, 1)[1]) for line in log_text.splitlines()
+            if FRONT_STEP in line]
+
+
 def check_own_port(config: NodeConfig, party_id: str) -> None:
     """Raise AddressInUse (exit 2, at once) if `party_id`'s public port cannot be bound now
     (another process holds it). The front binds it for real moments later."""
@@ -770,7 +781,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
             now = front.stats()
             if now and last[0]:
                 # What this party's front relayed during the step (one JSON line per step).
-                log(party_id, "front step " + json.dumps({
+                log(party_id, FRONT_STEP + json.dumps({
                     "phase": step.phase, "position": step.position,
                     "frames": now["frames"] - last[0]["frames"],
                     "bytes": now["bytes"] - last[0]["bytes"],
