@@ -91,8 +91,12 @@ def _env() -> dict:
 def baseline_checkout(rev: str, out: pathlib.Path) -> pathlib.Path:
     path = out / f"baseline_{rev}"
     if not path.exists():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev],
-                       check=True, capture_output=True)
+        made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path),
+                               rev], capture_output=True, text=True)
+        if made.returncode != 0:
+            raise SystemExit(f"--against={rev}: cannot check it out as a worktree of {REPO} "
+                             f"({made.stderr.strip()[-300:]}); give a revision of this "
+                             "repository, or --against=none")
     return path
 
 
