@@ -1,8 +1,9 @@
 """The fidelity suite's tasks: facts, passages and continuations in natural prose.
 
 Every prompt is built deterministically from a seed out of the original prose the repo holds
-(`experiments/data/prose/*.txt`, one topic per file, several topics per long prompt), never
-from the synthetic passkey filler. Each retrieval sample records the token span(s) of its
+(`experiments/data/prose/*.txt`, one topic per file, several topics per long prompt; prompts
+longer than those files hold go on into `experiments/data/prose_extra/*.txt`), never from the
+synthetic passkey filler. Each retrieval sample records the token span(s) of its
 answer in the prompt (`Sample.answer_spans`), so the harness can say which eviction stage
 keeps or loses it.
 
@@ -27,15 +28,16 @@ import re
 from experiments.tasks import DATA_DIR, PromptBuilder, Sample
 
 PROSE_DIR = DATA_DIR / "prose"
+EXTRA_PROSE_DIR = DATA_DIR / "prose_extra"
 INTRO = "Read the document below and answer the question at the end."
 QA_INTRO = "Read the document below, then answer the question at the end in a few words."
 
 
-def prose_documents() -> list[list[str]]:
-    """Every prose file as a list of paragraphs (each a string)."""
-    files = sorted(PROSE_DIR.glob("*.txt"))
+def prose_documents(folder: pathlib.Path = PROSE_DIR) -> list[list[str]]:
+    """Every prose file of `folder` as a list of paragraphs (each a string)."""
+    files = sorted(folder.glob("*.txt"))
     if not files:
-        raise FileNotFoundError(f"no prose files in {PROSE_DIR}")
+        raise FileNotFoundError(f"no prose files in {folder}")
     docs = []
     for path in files:
         paragraphs = [p.strip().replace("\n", " ") for p in path.read_text().split("\n\n")]
@@ -49,11 +51,19 @@ def _sentences(paragraph: str) -> list[str]:
 
 def prose_pieces(rng: random.Random) -> list[str]:
     """Sentences of every document, documents in a random order, each prefixed by the
-    whitespace that joins it to the previous one (a paragraph break or a space)."""
+    whitespace that joins it to the previous one (a paragraph break or a space).
+
+    The documents of `prose/` come first (shuffled by `rng`), then those of `prose_extra/`
+    for the prompts longer than `prose/` holds (~14k tokens). The second folder is shuffled
+    by its own generator, seeded by the first folder's order, so that `rng` is drawn from
+    exactly as without it: a prompt that fits in `prose/` is the same with or without the
+    second folder, and so are the samples after it."""
     docs = prose_documents()
     rng.shuffle(docs)
+    extra = prose_documents(EXTRA_PROSE_DIR)
+    random.Random("|".join(doc[0][:40] for doc in docs)).shuffle(extra)
     pieces = []
-    for doc in docs:
+    for doc in docs + extra:
         for paragraph in doc:
             for i, sentence in enumerate(_sentences(paragraph)):
                 pieces.append(("\n\n" if i == 0 and pieces else " ") + sentence)

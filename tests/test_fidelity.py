@@ -134,3 +134,23 @@ def test_continuation_and_longbench_export(tokenizer, tmp_path):
                                       max_length=4096, metric=None))
     assert len({len(r.prompt_ids) for r in rows}) > 3          # mixed lengths
     assert {r.metric for r in rows} == {"contains", "qa_f1"}
+
+
+def test_long_prompts_go_on_into_the_extra_prose_and_leave_shorter_ones_unchanged(
+        tokenizer, monkeypatch, tmp_path):
+    make = natural_tasks.NATURAL_TASKS["multi_hop"]
+    short = dict(num_samples=3, lengths=[512, 900], depths=[0.3, 0.7], seed=5)
+    with_extra = [s.prompt_ids for s in make(tokenizer, **short)]
+    long_sample, = make(tokenizer, num_samples=1, lengths=[16384], depths=[0.5], seed=5)
+    assert len(long_sample.prompt_ids) == 16384
+    text = tokenizer.decode(long_sample.prompt_ids)
+    extra_openings = [path.read_text()[:60] for path in
+                      sorted(natural_tasks.EXTRA_PROSE_DIR.glob("*.txt"))]
+    assert any(opening in text for opening in extra_openings)
+    # With a different second folder, the prompts that fit in the first are the same...
+    (tmp_path / "filler.txt").write_text("A short paragraph of filler prose.\n")
+    monkeypatch.setattr(natural_tasks, "EXTRA_PROSE_DIR", tmp_path)
+    assert [s.prompt_ids for s in make(tokenizer, **short)] == with_extra
+    # ...and a prompt longer than both folders hold is refused, naming what it needs.
+    with pytest.raises(ValueError, match="fewer than the .* this 16384-token prompt needs"):
+        list(make(tokenizer, num_samples=1, lengths=[16384], depths=[0.5], seed=5))
