@@ -217,16 +217,24 @@ def test_secure_reuse_generation_equals_plaintext_and_pays_on_refresh_steps(tiny
     assert min(s.send_actions for s in refresh) > max(s.send_actions for s in reuse)
 
 
-def test_clear_prefill_shares_the_plaintext_prefill_and_decodes_the_same(tiny):
+def test_clear_prefill_shares_the_plaintext_prefill_and_decodes_the_same(tiny, monkeypatch):
     """prefill="clear" (decode benchmarks): the tokens of the secure prefill's run, decode
-    steps of the same cost, the prefill recorded without an MPC cost; without the prompt on
-    a party it is refused."""
+    steps of the same cost, the prefill recorded without an MPC cost, its plaintext program
+    traced once per shape; without the prompt on a party it is refused."""
+    from runtime import programs
+    traces = []
+    dense_prefill = programs.dense_prefill
+    monkeypatch.setattr(programs, "dense_prefill",
+                        lambda *args: traces.append(1) or dense_prefill(*args))
     model, params, prompt = tiny
     backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"))
     session = mpc.SecureSession(backend, model, params, tiny_policy("mpcache"))
     secure = session.generate(prompt[:32], max_new_tokens=3)
     clear = session.generate(prompt[:32], max_new_tokens=3, prefill="clear")
     assert clear.tokens == secure.tokens
+    traced = len(traces)
+    assert session.generate(prompt[:32], max_new_tokens=3, prefill="clear").tokens == clear.tokens
+    assert len(traces) == traced > 0
     assert [s.phase for s in clear.steps] == ["prefill_clear", "decode", "decode"]
     assert clear.steps[0].cost is None
     for a, b in zip(secure.steps[1:], clear.steps[1:]):

@@ -66,6 +66,7 @@ class SecureSession:
         self._params_clear = params if owns_weights else None   # for prefill="clear" only
         self.params = backend.share(params, SECRET, owner=SERVER)
         self._compiled: dict = {}
+        self._clear_prefill: dict = {}     # (prompt_len, max_new_tokens) -> jitted plaintext prefill
 
     @property
     def vocab(self) -> int:
@@ -108,8 +109,11 @@ class SecureSession:
             params = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype),
                                             self._params_shape)
         start = time.perf_counter()
-        outputs = jax.jit(progs.prefill)(params, onehot(prompt_ids, self.vocab),
-                                         progs.empty_cache())
+        key = (progs.prompt_len, progs.max_new_tokens)
+        if key not in self._clear_prefill:     # `progs.prefill` is a new function each time
+            self._clear_prefill[key] = jax.jit(progs.prefill)
+        outputs = self._clear_prefill[key](params, onehot(prompt_ids, self.vocab),
+                                           progs.empty_cache())
         visibility = jax.tree_util.tree_unflatten(compiled.out_tree, compiled.out_visibility)
         owner = self._params_clear is not None
         values = jax.tree_util.tree_map(
