@@ -162,10 +162,11 @@ def sample_bucket(sample, FLAGS, context: int) -> tuple[int, int] | None:
     return low, min(capacity, context - new_tokens(sample, FLAGS))
 
 
-def prompt_lengths(lengths: list[int], steps: int, context: int, model: str) -> list[int]:
+def prompt_lengths(lengths: list[int], steps: int, context: int, model: str,
+                   buckets: list[int] = ()) -> list[int]:
     """--lengths within the model's context: a length whose prompt leaves no room for `steps`
-    new tokens is cut to context - steps (as LongBench truncates), one beyond the context is
-    an error naming the flag."""
+    new tokens is cut to context - steps (as LongBench truncates), one beyond the context, or
+    beyond the largest of `buckets` (when given), is an error naming the flag."""
     too_long = [n for n in lengths if n > context]
     if too_long:
         raise ValueError(f"--lengths={','.join(map(str, lengths))}: {too_long[0]} exceeds "
@@ -173,7 +174,12 @@ def prompt_lengths(lengths: list[int], steps: int, context: int, model: str) -> 
     if steps >= context:
         raise ValueError(f"{steps} new tokens (--max_new_tokens / --ppl_target_len) leave no room "
                          f"for a prompt in {model}'s context of {context} tokens")
-    return sorted({min(n, context - steps) for n in lengths})
+    fitted = sorted({min(n, context - steps) for n in lengths})
+    if buckets and fitted[-1] > max(buckets):
+        raise ValueError(f"--lengths={','.join(map(str, lengths))}: {fitted[-1]} is longer than "
+                         f"the largest of --buckets ({max(buckets)}); add an edge of at least "
+                         f"{fitted[-1]}, or --buckets= for exact lengths")
+    return fitted
 
 
 def compilations() -> dict[str, int]:
@@ -431,7 +437,8 @@ def run(FLAGS) -> None:
     context = registry.get_config(FLAGS.model, FLAGS.num_layers).max_position
     steps = max(FLAGS.max_new_tokens, FLAGS.ppl_target_len if
                 {"ppl", "continuation"} & set(task_names) else 0)
-    fitted = prompt_lengths(lengths, steps, context, FLAGS.model)   # before any work
+    fitted = prompt_lengths(lengths, steps, context, FLAGS.model,   # before any work
+                            parse_numbers("buckets", FLAGS.buckets, int))
     for label, budget, policy in policies:
         if getattr(policy, "reuses", False):   # a working set no prompt can hold: stop now
             try:

@@ -94,6 +94,10 @@ def test_lengths_leave_room_for_new_tokens_and_beyond_the_context_are_refused():
         prompt_lengths([1024, 9000], 24, 8192, "m")
     with pytest.raises(ValueError, match="leave no room"):
         prompt_lengths([512], 600, 512, "m")
+    assert prompt_lengths([2048, 8192], 24, 32768, "m", [2048, 8192]) == [2048, 8192]
+    with pytest.raises(ValueError, match=r"--lengths=2048,16384: 16384 is longer than the "
+                                         r"largest of --buckets \(8192\); add an edge"):
+        prompt_lengths([2048, 16384], 24, 32768, "m", [2048, 8192])
 
 
 def _flags(**overrides):
