@@ -102,9 +102,9 @@ class MPCache(PromptEvictionPolicy):
     group_reduce: how the query heads of one KV head (a GQA group) combine their scores of a
       token ("exact" only): "sum" (their summed q . k) or "max" (the best head's: a token one
       head needs is not outvoted by the others). A per-layer selection then sums over KV heads.
-      With the cosine on Gemma the sum is better at a 20% budget (at 8192 tokens it agrees with
-      `full` as `longcache` does, the max 0.13 less) and the max at 5-10% (lower KL, and at
-      2048 tokens more agreement): docs/models.md, "the group max".
+      With the cosine on Gemma the sum is better at a 20% budget (at 8192 tokens its agreement
+      with `full` is within 0.02 of `longcache`'s, the max's 0.13 below) and the max at 5-10%
+      (lower KL, and at 2048 tokens more agreement): docs/models.md, "the group max".
     select_scope: "layer" (one selection for all the layer's heads, scores summed over them),
       "head" (one per KV head, the paper) or "auto" (per head on models with at most
       AUTO_HEAD_MAX_KV_HEADS KV heads, else per layer: `scope_for`).
