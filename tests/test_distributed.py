@@ -812,3 +812,56 @@ def test_a_shaping_front_relays_every_frame_intact(tmp_path):
         proc.kill()
         proc.wait()
         backend.close()
+
+
+def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkeypatch):
+    """experiments.front_cost --floor: the C relay with no checks, started by start_front in the
+    front's place, answers the fronts' hello (a peer's probe finds the party alive) and relays
+    bytes both ways; a TLS config refuses any stand-in."""
+    import socket
+    from experiments.front_cost import build_bare_relay
+    from runtime.distributed import party as party_lib
+    monkeypatch.setenv(party_lib.FRONT_PROGRAM_ENV, str(build_bare_relay(tmp_path)))
+    config = load_node_config(write(tmp_path, node_config(3, "ABY3")))
+    handle = party_lib.start_front(config, "node:1", tmp_path)
+    try:
+        assert party_lib.probe(config, "node:0", "node:1").state == party_lib.ALIVE
+        with socket.create_server(("127.0.0.1", handle.backend_port)) as brpc:
+            host, _, port = config.address("node:1").rpartition(":")
+            with socket.create_connection((host, int(port)), timeout=10) as peer:
+                peer.sendall(b"PRPC" + bytes(range(200)))
+                inner, _ = brpc.accept()
+                with inner:
+                    inner.settimeout(10)
+                    got = b""
+                    while len(got) < 204:
+                        got += inner.recv(4096)
+                    assert got == b"PRPC" + bytes(range(200))
+                    inner.sendall(b"reply")
+                    assert peer.recv(16) == b"reply"
+        assert handle.stats()["cpu_s"] >= 0
+    finally:
+        handle.proc.kill()
+        handle.proc.wait()
+    (tmp_path / "certs").mkdir()
+    subprocess.run(["bash", str(REPO / "scripts" / "make_certs.sh"), str(tmp_path / "certs"),
+                    "127.0.0.1", "127.0.0.1"], check=True, capture_output=True)
+    tls = load_node_config(write(tmp_path, node_config(2, "SEMI2K", tls=tls_section(
+        ["node:0", "node:1"])), "tls.json"))
+    with pytest.raises(RuntimeError, match="benchmarks only; unset it for a TLS run"):
+        party_lib.start_front(tls, "node:1", tmp_path)
+
+
+def test_the_front_process_loads_the_standard_library_only(tmp_path, monkeypatch):
+    """A front started with the repository on PYTHONPATH (as the launchers and benchmarks
+    start parties) does not load the project's package, and with it JAX: it is up in a
+    fraction of a second and small."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    proc, _, backend, _ = forge.start_test_front(tmp_path, free_ports(1)[0])
+    try:
+        maps = pathlib.Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "jaxlib" not in maps and "numpy" not in maps
+    finally:
+        proc.kill()
+        proc.wait()
+        backend.close()

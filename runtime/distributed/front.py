@@ -66,9 +66,11 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-try:
+if __package__:
     from runtime.distributed.certs import certificate_names, san_matches
-except ImportError:   # run as a script (see above): its own folder is first on sys.path
+else:
+    # Run as a script (see above): certs.py from its own folder, first on sys.path. Not through
+    # the package, whose __init__ loads the node config module and with it JAX.
     from certs import certificate_names, san_matches  # type: ignore[no-redef]
 
 BRPC_MAGIC = b"PRPC"
