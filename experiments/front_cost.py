@@ -4,21 +4,24 @@ invocation; prints the ratio of wall per decode step (results: docs/results.md "
 door").
 
     python -m experiments.front_cost OUTPUT_DIR [--against=REV] [--pairs=N] [--shape=SHAPE]
-                                     [--job=JSON]
+                                     [--job=JSON] [--floor]
     python -m experiments.front_cost OUTPUT_DIR --relay   # one front's CPU per round trip
 
 --against: a git revision without the fronts (default: the commit before them); it is checked
 out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without --against
 (`--against=none`), one run of this checkout only. --shape: link.shape (e.g. lan).
 --job: overrides of the job, e.g. '{"model": "llama2-d1024", "seq_len": 1024,
-"max_new_tokens": 4, "prefill": "clear", "timeout_s": 1800}'.
+"max_new_tokens": 4, "prefill": "clear", "timeout_s": 1800}'. --floor: a third run in each
+pair, every front replaced by experiments/bare_relay.c (a relay in C that forwards bytes and
+checks nothing): what the relay hop costs by itself, the floor of any front in its own process.
 
 The job: llama-tiny, 2 layers, a 32-token random prompt, `full`, 8 greedy tokens (7 decode
 steps), ABY3, fresh loopback ports per run. Runs alternate (baseline, front, baseline, ...) so
 that the shared machine's load drifts over both alike. Per run: median wall per decode step,
 bytes and messages per step (every party's SPU profile), tokens, the parties' CPU per step;
-with the fronts, each front's CPU seconds per decode step (from the parties' logs). Writes OUTPUT_DIR/front_cost.jsonl (one
-line per run) and prints the per-pair ratios and their median.
+with the fronts, each front's CPU seconds per decode step (from the parties' logs). Writes
+OUTPUT_DIR/front_cost.jsonl (one line per run) and prints the per-pair ratios and their
+medians.
 """
 from __future__ import annotations
 
@@ -62,8 +65,10 @@ def front_cpu_per_step(run_dir: pathlib.Path) -> list[float]:
     return out
 
 
-def run_once(checkout: pathlib.Path, out: pathlib.Path, job: dict, shape) -> dict:
-    """One loopback run of `job` with the launcher of `checkout` -> its record."""
+def run_once(checkout: pathlib.Path, out: pathlib.Path, job: dict, shape,
+             env: dict | None = None) -> dict:
+    """One loopback run of `job` with the launcher of `checkout` (and `env` added to its
+    environment) -> its record."""
     from experiments.faults import harness
     from runtime.distributed.launch import free_ports
     out.mkdir(parents=True, exist_ok=True)
@@ -73,7 +78,7 @@ def run_once(checkout: pathlib.Path, out: pathlib.Path, job: dict, shape) -> dic
     nodes.write_text(json.dumps(raw))
     proc = subprocess.run([sys.executable, "-c", RUNNER, str(nodes), str(out / "run")],
                           cwd=checkout, capture_output=True, text=True,
-                          env={**_env(), "PYTHONPATH": str(checkout)})
+                          env={**_env(), **(env or {}), "PYTHONPATH": str(checkout)})
     if proc.returncode != 0:
         raise SystemExit(f"the run in {checkout} failed (exit {proc.returncode}); its parties' "
                          f"logs are in {out / 'run'}:\n{proc.stderr[-2000:]}")
@@ -98,6 +103,18 @@ def baseline_checkout(rev: str, out: pathlib.Path) -> pathlib.Path:
                              f"({made.stderr.strip()[-300:]}); give a revision of this "
                              "repository, or --against=none")
     return path
+
+
+def build_bare_relay(out: pathlib.Path) -> pathlib.Path:
+    """Compile experiments/bare_relay.c into OUTPUT_DIR (cc and OpenSSL's libcrypto)."""
+    source = REPO / "experiments" / "bare_relay.c"
+    binary = out / "bare_relay"
+    made = subprocess.run(["cc", "-O2", "-o", str(binary), str(source), "-lcrypto"],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        raise SystemExit(f"--floor: cannot build {source} with cc -lcrypto (needs a C compiler "
+                         f"and OpenSSL's headers, Debian's libssl-dev): {made.stderr[-500:]}")
+    return binary
 
 
 def relay_cost(out: pathlib.Path, rounds: int = 5000) -> dict:
@@ -167,6 +184,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--shape", default=None, help="link.shape: lan, wan or a JSON object")
     parser.add_argument("--job", default="{}", help="JSON overrides of the job")
+    parser.add_argument("--floor", action="store_true",
+                        help="a third run per pair: every front replaced by a relay with no "
+                             "checks (experiments/bare_relay.c, built here with cc), the cost "
+                             "of the relay hop alone")
     parser.add_argument("--relay", action="store_true",
                         help="instead: one front's CPU per relayed request + reply, and the "
                              "checks' share of it (no parties)")
@@ -191,34 +212,43 @@ def main(argv: list[str]) -> int:
         print(json.dumps(run_once(REPO, out / "front_0", job, shape)))
         return 0
     base = baseline_checkout(args.against, out)
-    ratios = []
+    arms = [("before", base, {}), ("front", REPO, {})]
+    if args.floor:
+        from runtime.distributed.party import FRONT_PROGRAM_ENV
+        arms.insert(1, ("bare", REPO, {FRONT_PROGRAM_ENV: str(build_bare_relay(out))}))
+    ratios: dict[str, list[float]] = {label: [] for label, _, _ in arms[1:]}
     with open(out / "front_cost.jsonl", "w") as results:
         for i in range(args.pairs):
             pair = {}
-            for label, checkout in (("before", base), ("front", REPO)):
-                record = run_once(checkout, out / f"{label}_{i}", job, shape)
+            for label, checkout, env in arms:
+                record = run_once(checkout, out / f"{label}_{i}", job, shape, env)
                 pair[label] = record
                 results.write(json.dumps({"pair": i, "run": label, **record}) + "\n")
                 results.flush()
-            before, front = pair["before"], pair["front"]
-            same = (before["tokens"] == front["tokens"]
-                    and before["comm_bytes"] == front["comm_bytes"]
-                    and before["messages"] == front["messages"])
-            ratio = front["median_step_s"] / before["median_step_s"]
-            ratios.append(ratio)
-            cpu = statistics.mean(front["front_cpu_s"]) if front["front_cpu_s"] else float("nan")
-            party = {k: statistics.median(r["party_cpu_s"]) if r["party_cpu_s"] else float("nan")
-                     for k, r in pair.items()}
-            print(f"pair {i}: before {before['median_step_s']:.3f} s/step, front "
-                  f"{front['median_step_s']:.3f} s/step ({ratio:.3f}x); CPU per step and party: "
-                  f"front {cpu:.3f} s, party {party['before']:.3f} -> {party['front']:.3f} s; "
-                  f"tokens, bytes, messages {'identical' if same else 'DIFFER'}", flush=True)
-            if not same:
-                print(f"  before: {before}\n  front: {front}", file=sys.stderr)
+            before = pair["before"]
+            parts = [f"pair {i}: before {before['median_step_s']:.3f} s/step"]
+            for label in ratios:
+                run = pair[label]
+                same = (before["tokens"] == run["tokens"]
+                        and before["comm_bytes"] == run["comm_bytes"]
+                        and before["messages"] == run["messages"])
+                ratio = run["median_step_s"] / before["median_step_s"]
+                ratios[label].append(ratio)
+                cpu = statistics.mean(run["front_cpu_s"]) if run["front_cpu_s"] else float("nan")
+                party = {k: statistics.median(r["party_cpu_s"]) if r["party_cpu_s"]
+                         else float("nan") for k, r in (("before", before), (label, run))}
+                parts.append(f"{label} {run['median_step_s']:.3f} s/step ({ratio:.3f}x; CPU per "
+                             f"step and party: {label} {cpu:.3f} s, party {party['before']:.3f} "
+                             f"-> {party[label]:.3f} s; tokens, bytes, messages "
+                             f"{'identical' if same else 'DIFFER'})")
+                if not same:
+                    print(f"  before: {before}\n  {label}: {run}", file=sys.stderr)
+            print("; ".join(parts), flush=True)
     step = pair["front"]
-    print(f"median ratio (front / before) over {len(ratios)} pairs: "
-          f"{statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
-          f"{step['comm_bytes'][-1]:,} bytes / {step['messages'][-1]:,} messages per step")
+    for label, values in ratios.items():
+        print(f"median ratio ({label} / before) over {len(values)} pairs: "
+              f"{statistics.median(values):.3f} (range {min(values):.3f}-{max(values):.3f})")
+    print(f"{step['comm_bytes'][-1]:,} bytes / {step['messages'][-1]:,} messages per step")
     return 0
 
 

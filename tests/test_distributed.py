@@ -6,7 +6,6 @@ tokens, `mpcache` with small clusters), so each run takes seconds.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import pathlib
@@ -24,8 +23,7 @@ from runtime.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_
 from runtime.distributed import config as config_lib
 from runtime.distributed import job as job_lib
 from runtime.distributed.compare import simulate
-from runtime.distributed.launch import (free_ports, prepare_config, start_parties,
-                                        wait_parties)
+from runtime.distributed.launch import free_ports, prepare_config, start_parties
 from runtime.distributed.party import front_steps, run_party, warn_if_insecure
 from runtime.distributed.supervise import supervise
 from experiments.faults.harness import node_config as loopback_node_config
@@ -678,6 +676,7 @@ def test_party_table_pools_runs_and_prints_ratios_to_full(tmp_path):
     full, mp = {r["policy"]: r for r in rows}["full"], {r["policy"]: r for r in rows}["mpcache"]
     assert full["steps"] == 3 and full["wall_s"] == 5.0 and full["max_party_cpu_s"] == 3.5
     assert full["lan_network_plus_cpu_s"] == pytest.approx(4.3)   # median of 3.8, 4.3, 4.8
+    assert mp["steps"] == 1 and mp["wall_s"] == 2.5 and mp["max_party_cpu_s"] == 2.0
     text = party_table.format_tables(rows)
     assert "| netns | 1024 | `mpcache` | 2.00x | 2.00x | 2.00x | 1.79x |" in text
     assert party_table.main(["party_table", str(tmp_path)]) == 0
@@ -795,7 +794,6 @@ def test_link_shape_profiles_reach_the_front(tmp_path):
 def test_a_shaping_front_relays_every_frame_intact(tmp_path):
     """With a delay and a rate, the checked frames still reach brpc whole and in order."""
     import socket
-    from runtime.distributed import front
     proc, spec, backend, received = forge.start_test_front(
         tmp_path, free_ports(1)[0], spec_overrides={"delay_s": 0.02, "rate_bytes_s": 2e6})
     try:

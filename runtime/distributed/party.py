@@ -255,6 +255,11 @@ def front_events_path(output_dir, party_id: str) -> pathlib.Path:
     return pathlib.Path(output_dir) / f"front_{node_tag(party_id)}.jsonl"
 
 
+# Benchmarks only (`experiments.front_cost --floor`): a program started in the front's place, with
+# the same argument and start-up line (experiments/bare_relay.c: a relay with no checks).
+FRONT_PROGRAM_ENV = "MPCACHE_FRONT_PROGRAM"
+
+
 def start_front(config: NodeConfig, party_id: str, output_dir) -> FrontHandle:
     """Start this party's front (a child process that dies with this one) and wait until it
     listens -> FrontHandle. Raises AddressInUse when the public port is taken."""
@@ -264,7 +269,16 @@ def start_front(config: NodeConfig, party_id: str, output_dir) -> FrontHandle:
     events = front_events_path(output_dir, party_id)
     events.write_text("")
     spec = front_spec(config, party_id, events)
-    proc = subprocess.Popen([sys.executable, front_mod.__file__, spec.to_json()],
+    program = [sys.executable, front_mod.__file__]
+    stand_in = os.environ.get(FRONT_PROGRAM_ENV)
+    if stand_in:
+        if config.link.tls is not None:
+            raise RuntimeError(f"{FRONT_PROGRAM_ENV} is set: a stand-in front is for plain-TCP "
+                               "benchmarks only; unset it for a TLS run")
+        print(f"[party {party_id}] front: {FRONT_PROGRAM_ENV}={stand_in} replaces the front "
+              "(benchmarks only: no frame is checked)", file=sys.stderr, flush=True)
+        program = [stand_in]
+    proc = subprocess.Popen(program + [spec.to_json()],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env())
     line = proc.stdout.readline().decode(errors="replace").strip()
     try:
