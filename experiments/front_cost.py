@@ -16,8 +16,8 @@ pair, every front replaced by experiments/bare_relay.c (a relay in C that forwar
 checks nothing): what the relay hop costs by itself, the floor of any front in its own process.
 
 The job: llama-tiny, 2 layers, a 32-token random prompt, `full`, 8 greedy tokens (7 decode
-steps), ABY3, fresh loopback ports per run. Runs alternate (baseline, front, baseline, ...) so
-that the shared machine's load drifts over both alike. Per run: median wall per decode step,
+steps), ABY3, fresh loopback ports per run. Runs alternate (baseline, [bare,] front,
+baseline, ...) so that the shared machine's load drifts over all alike. Per run: median wall per decode step,
 bytes and messages per step (every party's SPU profile), tokens, the parties' CPU per step;
 with the fronts, each front's CPU seconds per decode step (from the parties' logs). Writes
 OUTPUT_DIR/front_cost.jsonl (one line per run) and prints the per-pair ratios and their

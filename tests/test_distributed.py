@@ -815,7 +815,7 @@ def test_a_shaping_front_relays_every_frame_intact(tmp_path):
 def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkeypatch):
     """experiments.front_cost --floor: the C relay with no checks, started by start_front in the
     front's place, answers the fronts' hello (a peer's probe finds the party alive) and relays
-    bytes both ways; a TLS config refuses any stand-in."""
+    bytes both ways; a TLS config refuses any stand-in (so do remote peers)."""
     import socket
     from experiments.front_cost import build_bare_relay
     from runtime.distributed import party as party_lib
@@ -846,7 +846,7 @@ def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkey
                     "127.0.0.1", "127.0.0.1"], check=True, capture_output=True)
     tls = load_node_config(write(tmp_path, node_config(2, "SEMI2K", tls=tls_section(
         ["node:0", "node:1"])), "tls.json"))
-    with pytest.raises(RuntimeError, match="benchmarks only; unset it for a TLS run"):
+    with pytest.raises(RuntimeError, match="loopback benchmarks only; unset it for a TLS run"):
         party_lib.start_front(tls, "node:1", tmp_path)
 
 

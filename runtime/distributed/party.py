@@ -255,8 +255,9 @@ def front_events_path(output_dir, party_id: str) -> pathlib.Path:
     return pathlib.Path(output_dir) / f"front_{node_tag(party_id)}.jsonl"
 
 
-# Benchmarks only (`experiments.front_cost --floor`): a program started in the front's place, with
-# the same argument and start-up line (experiments/bare_relay.c: a relay with no checks).
+# Benchmarks only (`experiments.front_cost --floor`): a program started in the front's place,
+# with the same argument and start-up line (experiments/bare_relay.c: a relay with no checks);
+# refused under TLS and with remote peers (it has no outbound side).
 FRONT_PROGRAM_ENV = "MPCACHE_FRONT_PROGRAM"
 
 
@@ -272,9 +273,10 @@ def start_front(config: NodeConfig, party_id: str, output_dir) -> FrontHandle:
     program = [sys.executable, front_mod.__file__]
     stand_in = os.environ.get(FRONT_PROGRAM_ENV)
     if stand_in:
-        if config.link.tls is not None:
+        if spec.tls is not None or spec.relay_outbound:
             raise RuntimeError(f"{FRONT_PROGRAM_ENV} is set: a stand-in front is for plain-TCP "
-                               "benchmarks only; unset it for a TLS run")
+                               "loopback benchmarks only; unset it for a TLS run or remote "
+                               "peers")
         print(f"[party {party_id}] front: {FRONT_PROGRAM_ENV}={stand_in} replaces the front "
               "(benchmarks only: no frame is checked)", file=sys.stderr, flush=True)
         program = [stand_in]
