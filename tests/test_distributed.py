@@ -837,7 +837,7 @@ def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkey
                     assert got == b"PRPC" + bytes(range(200))
                     inner.sendall(b"reply")
                     assert peer.recv(16) == b"reply"
-        assert handle.stats()["cpu_s"] >= 0
+        assert handle.stats()["frames"] >= 2      # the stats line: a read each way counted
     finally:
         handle.proc.kill()
         handle.proc.wait()
