@@ -319,6 +319,51 @@ def test_reveal_check_follows_region_scopes():
     assert mpc.secret_reveals(program(True).ir)
 
 
+def test_reveal_check_follows_while_loops():
+    """A `lax.map` over public starts compiles to a while whose public counter is carried
+    beside secret values: no reveal. Its body sees the carried values with their visibility,
+    so a secret made public inside the body, or a secret initial value carried as public,
+    is caught."""
+    from spu.experimental import reveal
+    backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"), profile=False)
+
+    def program(leak):
+        def fn(x):
+            def one(s):
+                block = jax.lax.dynamic_slice_in_dim(x, s, 2, axis=0)
+                return jnp.exp(reveal(block) if leak else block)
+            return jax.lax.map(one, jnp.asarray([0, 2, 4], jnp.int32))
+        return backend.compile(fn, (np.ones(6, np.float32),), mpc.SECRET, allow_reveals=leak)
+    honest = program(False).ir
+    assert "pphlo.while(" in honest and mpc.secret_reveals(honest) == []
+    assert mpc.secret_reveals(program(True).ir)
+    # The same loop, hand-edited: the body turns the carried secret public (no reveal call),
+    # or the loop carries a secret initial value in a public position.
+    body_leak = honest.replace("%29 = pphlo.exponential %28 : tensor<2x!pphlo.secret<f32>>",
+                               "%29 = pphlo.convert %28 : (tensor<2x!pphlo.secret<f32>>) -> "
+                               "tensor<2xf32>")
+    line = next(l for l in honest.splitlines() if "pphlo.while(" in l)
+    carried_public = honest.replace(line, line.replace("tensor<3x2x!pphlo.secret<f32>>",
+                                                       "tensor<3x2xf32>"))
+    for leaky in (body_leak, carried_public):
+        assert leaky != honest and mpc.secret_reveals(leaky)
+    # A carried secret (region argument %arg2) made public in the body.
+    ir = """  func.func @main(%arg0: tensor<2x!pphlo.secret<f32>>) -> tensor<2x!pphlo.secret<f32>> {
+    %0 = pphlo.constant dense<0> : tensor<i32>
+    %1:2 = pphlo.while(%arg1 = %0, %arg2 = %arg0) : tensor<i32>, tensor<2x!pphlo.secret<f32>>
+     cond {
+      %2 = pphlo.less %arg1, %0 : (tensor<i32>, tensor<i32>) -> tensor<i1>
+      pphlo.return %2 : tensor<i1>
+    } do {
+      %2 = pphlo.convert %arg2 : (tensor<2x!pphlo.secret<f32>>) -> tensor<2xf32>
+      %3 = pphlo.convert %2 : (tensor<2xf32>) -> tensor<2x!pphlo.secret<f32>>
+      pphlo.return %arg1, %3 : tensor<i32>, tensor<2x!pphlo.secret<f32>>
+    }
+    return %1#1 : tensor<2x!pphlo.secret<f32>>
+  }"""
+    assert [line.split(" = ")[0] for line in mpc.secret_reveals(ir)] == ["%2"]
+
+
 def _spu_apply(fn, *args, config=None):
     backend = mpc.make_backend("spu_sim", config or mpc.MPCConfig(protocol="ABY3"), profile=False)
     program = backend.compile(fn, args, tuple(mpc.SECRET for _ in args))

@@ -381,6 +381,24 @@ def secret_reveals(ir: str) -> list[str]:
             continue
         results = [r.split(":")[0].strip() for r in m["res"].split(",")]
         body = m["body"]
+        if body.startswith("pphlo.while("):
+            # Loop-carried values: initial value i becomes region argument i (seen by the cond
+            # and body regions below) and result i, all of type i. A position is a reveal only
+            # if its initial value is secret and its type public; the regions are checked op
+            # by op with their arguments' visibility.
+            head, _, type_list = body.rpartition(" : ")
+            pairs = re.findall(r"(%\w+) = (%[\w#]+)", head)
+            types = _split_types(type_list)
+            if len(pairs) != len(types):
+                bad.append(text)
+            for (arg, init), typ in zip(pairs, types):
+                if "secret" in typ:
+                    scopes[-1].add(arg)
+                elif is_secret(init.split("#")[0]):
+                    bad.append(text)
+            if any("secret" in t for t in types):
+                scopes[-1].update(results)
+            continue
         if text.endswith("({"):                # a region op: typed when its regions close
             pending.append(results)
             scopes.append(set())
