@@ -395,6 +395,33 @@ def test_rmsnorm_of_an_attention_sink_row_stays_in_fixed_point_range():
     assert abs(naive[0, 507] - 24.0) > 1.0
 
 
+def test_windowed_prefill_attention_loops_over_its_full_blocks_on_xla_and_spu():
+    """With a sliding window, the full blocks whose window lies inside the prompt run as one
+    loop body (one copy in the program, not one per block) and give each row the softmax over
+    its window, on XLA and under SPU."""
+    from mpcache_jax import attention
+    rng = np.random.default_rng(1)
+    H, Hkv, T, d, block, window = 4, 2, 29, 8, 4, 8     # blocks at 8..24 share one shape
+    q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((H, T, d), (Hkv, T, d), (Hkv, T, d)))
+    ref = np.zeros((H, T, d), np.float32)
+    for h in range(H):
+        kv = h // (H // Hkv)
+        for t in range(T):
+            lo = max(0, t - window + 1)
+            s = q[h, t] @ k[kv, lo:t + 1].T / np.sqrt(d)
+            p = np.exp(s - s.max())
+            ref[h, t] = (p / p.sum()) @ v[kv, lo:t + 1]
+    fn = lambda q, k, v: attention.causal_attention(q, k, v, block=block, window=window)
+    np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, k, v)), ref, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(fn)(q, k, v))
+    # blocks at 0 and 4 (window cut by the prompt start), the last (3 rows), one loop body
+    assert jaxpr.count("scan[") == 1 and jaxpr.count("exp ") == 4
+    backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"))
+    program = backend.compile(fn, (q, k, v), (mpc.SECRET,) * 3)
+    out, _, _ = backend.run(program, *(backend.share(a, mpc.SECRET) for a in (q, k, v)))
+    np.testing.assert_allclose(np.asarray(backend.reveal(out)), ref, atol=2e-2)
+
+
 def test_blocked_causal_attention_equals_one_block_and_costs_less_under_spu():
     from mpcache_jax import attention
     rng = np.random.default_rng(0)
