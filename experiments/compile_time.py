@@ -1,0 +1,59 @@
+"""How long XLA takes to compile a model's whole-prompt forward (every decoder layer, the
+prefill's attention included) at given prompt lengths, with abstract weights (no checkpoint
+is loaded and nothing runs). Results: docs/models.md (Gemma at 32768 tokens).
+
+    python -m experiments.compile_time [--model=gemma3-270m] [--lengths=8192,16384,32768]
+
+Prints one line per length: tracing + lowering seconds, then XLA's compile seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def compile_seconds(model_name: str, length: int) -> tuple[float, float]:
+    """(trace + lower, compile) seconds of `model_name`'s forward over `length` tokens."""
+    import jax
+    import jax.numpy as jnp
+    from models.catalog import get_config
+    from models.model import Model
+    model = Model(get_config(model_name))
+    module = model.module
+    forward = jax.jit(lambda params, tokens: module.apply(
+        {"params": params}, tokens, method=type(module).forward_hidden))
+    start = time.perf_counter()
+    lowered = forward.lower(model.param_shapes(), jax.ShapeDtypeStruct((length,), jnp.int32))
+    traced = time.perf_counter() - start
+    lowered.compile()
+    return traced, time.perf_counter() - start - traced
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.compile_time",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--lengths", default="8192,16384,32768",
+                        help="comma-separated prompt lengths in tokens")
+    args = parser.parse_args(argv[1:])
+    from models.catalog import MODEL_NAMES, get_config
+    if args.model not in MODEL_NAMES:
+        parser.error(f"--model={args.model!r}: one of {', '.join(MODEL_NAMES)}")
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        parser.error(f"--lengths={args.lengths!r}: comma-separated integers")
+    context = get_config(args.model).max_position
+    for length in lengths:
+        if not 0 < length <= context:
+            parser.error(f"--lengths: {length} is outside 1..{context}, {args.model}'s context")
+    for length in lengths:
+        traced, compiled = compile_seconds(args.model, length)
+        print(f"{args.model}, {length} tokens: trace + lower {traced:.1f} s, compile "
+              f"{compiled:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
