@@ -105,39 +105,39 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     H, T, d = q.shape
     block = T if block is None else min(block, T)
     starts = range(0, T, block)
+
+    def unrolled(start):
+        stop = min(start + block, T)
+        first = 0 if window is None else max(0, start - window + 1)     # oldest key in reach
+        return _attention_block(q[:, start:stop], k[:, first:stop], v[:, first:stop],
+                                start, first, window)
     # Full blocks whose window starts at or after the prompt's first token: one shape.
     uniform = ([] if window is None else
                [s for s in starts if s >= window - 1 and s + block <= T])
     if len(uniform) < 2:
-        outs = [_attention_block(q, k, v, s, min(s + block, T), window) for s in starts]
+        outs = [unrolled(s) for s in starts]
     else:
         width = block + window - 1
 
-        def one(start):                        # start: int32 [] (public)
+        def looped(start):                     # start: int32 [] (public)
             first = start - window + 1
-            return _attention_block(
-                jax.lax.dynamic_slice_in_dim(q, start, block, axis=1),
-                jax.lax.dynamic_slice_in_dim(k, first, width, axis=1),
-                jax.lax.dynamic_slice_in_dim(v, first, width, axis=1),
-                start, start + block, window, first=first)
-        middle = jax.lax.map(one, jnp.asarray(uniform, jnp.int32))    # [n, H, block, d]
+            return _attention_block(jax.lax.dynamic_slice_in_dim(q, start, block, axis=1),
+                                    jax.lax.dynamic_slice_in_dim(k, first, width, axis=1),
+                                    jax.lax.dynamic_slice_in_dim(v, first, width, axis=1),
+                                    start, first, window)
+        middle = jax.lax.map(looped, jnp.asarray(uniform, jnp.int32))  # [n, H, block, d]
         middle = jnp.moveaxis(middle, 0, 1).reshape(H, len(uniform) * block, d)
-        outs = ([_attention_block(q, k, v, s, s + block, window) for s in starts
-                 if s < uniform[0]] + [middle]
-                + [_attention_block(q, k, v, s, min(s + block, T), window) for s in starts
-                   if s > uniform[-1]])
+        outs = ([unrolled(s) for s in starts if s < uniform[0]] + [middle]
+                + [unrolled(s) for s in starts if s > uniform[-1]])
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
-def _attention_block(q, k, v, start, stop, window, first=None):
-    """Causal attention of query rows start..stop-1 to keys first..stop-1 -> [H, stop - start, d].
+def _attention_block(q, k, v, start, first, window):
+    """Causal attention of a block of query rows to its keys.
 
-    With static ints, q, k, v are the whole prompt's ([H, T, d], [H_kv, T, d]) and are sliced
-    here (first: the oldest key in the window's reach); with a traced `start` (the loop of
-    causal_attention), they are already the block's slices and `first` is given."""
-    if first is None:
-        first = 0 if window is None else max(0, start - window + 1)
-        q, k, v = q[:, start:stop], k[:, first:stop], v[:, first:stop]
+    q: [H, rows, d], the prompt's rows from `start`; k, v: [H_kv, keys, d], its keys from
+    `first` (the oldest any row reaches) -> [H, rows, d]. start, first: ints, or int32 []
+    traced (the loop of causal_attention)."""
     H, rows_n, d = q.shape
     scores = grouped_scores(q, k)                                  # [H_kv, G, rows, keys]
     rows = start + jnp.arange(rows_n)[:, None]
