@@ -89,6 +89,8 @@ MAX_KEY_BYTES = 512
 SEQ_SEPARATOR = b"\x01\x02"
 # Per-connection socket buffers of the relay (flow control: reading pauses above this).
 HIGH_WATER_BYTES = 4 << 20
+# An inbound connection's first read buffer; it grows (doubling) to hold a whole frame.
+READ_BYTES = 64 << 10
 
 
 class FrameError(ValueError):
@@ -491,12 +493,20 @@ class Front:
             f.write(json.dumps(record) + "\n")
 
 
-class _Inbound(asyncio.Protocol):
-    """One connection to the public port: hello or checked brpc frames relayed to brpc."""
+class _Inbound(asyncio.BufferedProtocol):
+    """One connection to the public port: hello or checked brpc frames relayed to brpc.
+
+    The event loop reads straight into `buf` (a BufferedProtocol), which holds at most the
+    current frame and the start of the next: a frame spread over many reads is copied once,
+    when it is forwarded, not once per read and again when whole."""
 
     def __init__(self, front: Front):
         self.front = front
-        self.buf = bytearray()
+        self.buf = bytearray(READ_BYTES)
+        self.filled = 0                     # buf[:filled] has been read and not yet forwarded
+        # The most buf may grow to: a whole frame of the largest size the link sends (the
+        # header was checked before the rest is read) plus one read of the next.
+        self.max_buf = HEADER.size + front.spec.max_frame_bytes + READ_BYTES
         self.mode = None
         self.node: str | None = None        # the peer node the connection is bound to
         self.ledger: PeerLedger | None = None   # that node's
@@ -528,55 +538,53 @@ class _Inbound(asyncio.Protocol):
         if self.pipe is not None and self.pipe.transport is not None:
             self.pipe.transport.close()
 
-    def data_received(self, data):
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.closed:
+            self.filled = 0     # a refused connection's last bytes: read and dropped
+        if len(self.buf) - self.filled < READ_BYTES // 2 and len(self.buf) < self.max_buf:
+            self.buf.extend(bytes(min(len(self.buf), self.max_buf - len(self.buf))))
+        return memoryview(self.buf)[self.filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
             return
+        self.filled += nbytes
         if self.mode == "brpc":
-            self._frames(data)
+            self._frames()
             return
-        self.buf += data
+        head = bytes(self.buf[:min(self.filled, 4)])
         if self.mode is None:
-            if len(self.buf) < 4:
-                if not (BRPC_MAGIC.startswith(bytes(self.buf)) or
-                        HELLO_MAGIC.startswith(bytes(self.buf))):
+            if len(head) < 4:
+                if not (BRPC_MAGIC.startswith(head) or HELLO_MAGIC.startswith(head)):
                     self._refuse("refused a connection", "its first bytes are neither brpc "
-                                 f"nor the hello ({bytes(self.buf)!r})")
+                                 f"nor the hello ({head!r})")
                 return
-            head = bytes(self.buf[:4])
             if head == HELLO_MAGIC:
                 self.mode = "hello"
             elif head == BRPC_MAGIC:
                 self.mode = "brpc"
                 asyncio.ensure_future(self._open_backend())
-                data, self.buf = bytes(self.buf), bytearray()
-                self._frames(data)
+                self._frames()
                 return
             else:
                 self._refuse("refused a connection", f"its first bytes are neither brpc nor "
                              f"the hello ({head!r})")
                 return
-        if self.mode == "hello":
-            if len(self.buf) >= HELLO_REQUEST_BYTES:
-                nonce = parse_hello(bytes(self.buf[:HELLO_REQUEST_BYTES]))
-                if nonce is None:
-                    self._refuse("refused a connection", "a malformed hello")
-                    return
-                self.transport.write(HELLO_MAGIC + hello_answer(self.front.hello_key, nonce,
-                                                                self.front.spec.party))
-                self.transport.close()
-                self.closed = True
-            return
-        self._frames()
+        if self.filled >= HELLO_REQUEST_BYTES:
+            nonce = parse_hello(bytes(self.buf[:HELLO_REQUEST_BYTES]))
+            if nonce is None:
+                self._refuse("refused a connection", "a malformed hello")
+                return
+            self.transport.write(HELLO_MAGIC + hello_answer(self.front.hello_key, nonce,
+                                                            self.front.spec.party))
+            self.transport.close()
+            self.closed = True
 
-    def _frames(self, data: bytes) -> None:
-        """Check the whole frames in (what is left of earlier data +) `data`; forward them
-        in one write; keep an incomplete frame's bytes for the next call."""
+    def _frames(self) -> None:
+        """Check the whole frames in buf[:filled]; forward them in one write; move an
+        incomplete frame's bytes to the start of buf for the next read."""
         spec, front = self.front.spec, self.front
-        if self.buf:
-            self.buf += data
-            view = self.buf
-        else:
-            view = data
+        view = memoryview(self.buf)[:self.filled]
         at = 0
         while True:
             try:
@@ -599,6 +607,7 @@ class _Inbound(asyncio.Protocol):
                            max_unread=front.max_unread)
             except FrameError as err:
                 self._forward(view, at)     # the whole frames before it were checked
+                view.release()
                 self._refuse("dropped a frame and closed the connection", str(err))
                 return
             at += push.frame_bytes
@@ -608,18 +617,18 @@ class _Inbound(asyncio.Protocol):
                 front.stats["max_message"] = size
         front.stats["bytes"] += at
         self._forward(view, at)
-        rest = len(view) - at
-        if view is self.buf:
-            del self.buf[:at]
-        elif rest:
-            self.buf = bytearray(memoryview(data)[at:])
+        view.release()
+        if at:
+            rest = self.filled - at
+            self.buf[:rest] = self.buf[at:self.filled]
+            self.filled = rest
 
     def _forward(self, view, end: int) -> None:
         """Send view[:end] (checked frames) to brpc, or keep it until brpc's side is open;
         with shaping, once the connection's rate has passed it and the delay is over."""
         if not end:
             return
-        chunk = view if (end == len(view) and isinstance(view, bytes)) else bytes(view[:end])
+        chunk = bytes(view[:end])
         spec = self.front.spec
         if spec.delay_s <= 0 and not spec.rate_bytes_s:
             self._deliver(chunk)
