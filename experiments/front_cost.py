@@ -5,7 +5,7 @@ door").
 
     python -m experiments.front_cost OUTPUT_DIR [--against=REV] [--pairs=N] [--shape=SHAPE]
                                      [--job=JSON] [--floor]
-    python -m experiments.front_cost OUTPUT_DIR --relay   # one front's CPU per round trip
+    python -m experiments.front_cost OUTPUT_DIR --relay [--floor]   # per round trip, no parties
 
 --against: a git revision without the fronts (default: the commit before them); it is checked
 out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without --against
@@ -14,6 +14,8 @@ out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without
 "max_new_tokens": 4, "prefill": "clear", "timeout_s": 1800}'. --floor: a third run in each
 pair, every front replaced by experiments/bare_relay.c (a relay in C that forwards bytes and
 checks nothing): what the relay hop costs by itself, the floor of any front in its own process.
+--relay: no parties; one front's CPU and wall per relayed request + reply at three frame sizes
+(with --floor, the bare relay's beside it).
 
 The job: llama-tiny, 2 layers, a 32-token random prompt, `full`, 8 greedy tokens (7 decode
 steps), ABY3, fresh loopback ports per run. Runs alternate (baseline, [bare,] front,
@@ -31,6 +33,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The last commit before the fronts (the next one, 3b9b205, adds runtime/distributed/front.py).
@@ -108,6 +111,7 @@ def baseline_checkout(rev: str, out: pathlib.Path) -> pathlib.Path:
 def build_bare_relay(out: pathlib.Path) -> pathlib.Path:
     """Compile experiments/bare_relay.c into OUTPUT_DIR (cc and OpenSSL's libcrypto)."""
     source = REPO / "experiments" / "bare_relay.c"
+    out.mkdir(parents=True, exist_ok=True)
     binary = out / "bare_relay"
     made = subprocess.run(["cc", "-O2", "-o", str(binary), str(source), "-lcrypto"],
                           capture_output=True, text=True)
@@ -117,10 +121,12 @@ def build_bare_relay(out: pathlib.Path) -> pathlib.Path:
     return binary
 
 
-def relay_cost(out: pathlib.Path, rounds: int = 5000) -> dict:
-    """One front (plain TCP) between a client that sends a 200-byte Push and waits for a
-    40-byte reply, and a stand-in brpc that replies to each: the front's CPU per relayed
-    request + reply, and the checks alone (parse_frame + check_push, timed in this process)."""
+def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, bare: pathlib.Path | None
+               = None) -> dict:
+    """One front (plain TCP; with `bare`, that relay instead) between a client that sends a
+    Push of `value_bytes` and waits for a 40-byte reply, and a stand-in brpc that replies to
+    each whole frame: the front's CPU and the wall per relayed request + reply; for the
+    front also the checks alone (parse_frame + check_push, timed in this process)."""
     import socket
     import threading
     import timeit
@@ -128,20 +134,32 @@ def relay_cost(out: pathlib.Path, rounds: int = 5000) -> dict:
     from runtime.distributed import front
     from runtime.distributed.launch import free_ports
     out.mkdir(parents=True, exist_ok=True)
-    proc, spec, backend, _ = start_test_front(out, free_ports(1)[0])
-    port = backend.getsockname()[1]
+    proc, spec, backend, _ = start_test_front(out, free_ports(1)[0],
+                                              max_message_bytes=max(value_bytes, 1 << 20))
+    if bare is not None:
+        proc.kill()
+        proc.wait()
+        proc = subprocess.Popen([str(bare), spec.to_json()], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE)
+        port = json.loads(proc.stdout.readline())["backend_port"]
+    else:
+        port = backend.getsockname()[1]
     backend.shutdown(socket.SHUT_RDWR)    # wakes its accepting thread: the port is free
     backend.close()     # replaced by one that answers each frame
     answering = socket.create_server(("127.0.0.1", port))
+    frames = [forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % i, b"x" * value_bytes, seq=i)
+              for i in range(1, rounds + 2)]
 
     def answer():
         conn, _ = answering.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while conn.recv(1 << 20):
-            conn.sendall(b"r" * 40)
+        got, whole = 0, len(frames[0])
+        while data := conn.recv(1 << 20):
+            got += len(data)
+            while got >= whole:
+                got -= whole
+                conn.sendall(b"r" * 40)
     threading.Thread(target=answer, daemon=True).start()
-    frames = [forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % i, b"x" * 200, seq=i)
-              for i in range(1, rounds + 2)]
     client = socket.create_connection(("127.0.0.1", spec.listen_port))
     client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -156,23 +174,32 @@ def relay_cost(out: pathlib.Path, rounds: int = 5000) -> dict:
         while got < 40:
             got += len(client.recv(100))
     round_trip(frames[0])
-    before = stats()
+    before, start = stats(), time.perf_counter()
     for frame in frames[1:]:
         round_trip(frame)
-    after = stats()
+    wall, after = time.perf_counter() - start, stats()
     proc.kill()
     proc.wait()
-    ledger = front.PeerLedger()
+    answering.close()
+    result = {"relay": "bare" if bare is not None else "front", "value_bytes": value_bytes,
+              "rounds": rounds,
+              "cpu_us_per_round_trip": round((after["cpu_s"] - before["cpu_s"]) / rounds * 1e6, 1),
+              "wall_us_per_round_trip": round(wall / rounds * 1e6, 1)}
+    if bare is None:
+        ledger = front.PeerLedger()
 
-    def check():
-        push = front.parse_frame(frames[1], spec.max_frame_bytes)
-        front.check_push(push, bound_rank=0, my_rank=1, link_id=b"test.3pc.run",
-                         max_message_bytes=spec.max_message_bytes,
-                         max_buffered_bytes=spec.max_buffered_bytes, ledger=ledger)
-    checks_us = min(timeit.repeat(check, number=2000, repeat=5)) / 2000 * 1e6
-    return {"rounds": rounds, "front_cpu_us_per_round_trip":
-            round((after["cpu_s"] - before["cpu_s"]) / rounds * 1e6, 1),
-            "checks_us_per_frame": round(checks_us, 1)}
+        def check():
+            push = front.parse_frame(frames[1], spec.max_frame_bytes)
+            front.check_push(push, bound_rank=0, my_rank=1, link_id=b"test.3pc.run",
+                             max_message_bytes=spec.max_message_bytes,
+                             max_buffered_bytes=spec.max_buffered_bytes, ledger=ledger)
+        result["checks_us_per_frame"] = round(
+            min(timeit.repeat(check, number=2000, repeat=5)) / 2000 * 1e6, 1)
+    return result
+
+
+# --relay: (value bytes, round trips) of the microbenchmark; 1 MiB is the link's largest chunk.
+RELAY_SIZES = ((200, 5000), (60_000, 2000), (1 << 20, 500))
 
 
 def main(argv: list[str]) -> int:
@@ -189,8 +216,9 @@ def main(argv: list[str]) -> int:
                              "checks (experiments/bare_relay.c, built here with cc), the cost "
                              "of the relay hop alone")
     parser.add_argument("--relay", action="store_true",
-                        help="instead: one front's CPU per relayed request + reply, and the "
-                             "checks' share of it (no parties)")
+                        help="instead (no parties): one front's CPU and wall per relayed "
+                             "request + reply at three frame sizes, and the checks' share; "
+                             "with --floor the bare relay's too")
     args = parser.parse_args(argv[1:])
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
@@ -206,7 +234,11 @@ def main(argv: list[str]) -> int:
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     if args.relay:
-        print(json.dumps(relay_cost(out / "relay")))
+        bare = build_bare_relay(out) if args.floor else None
+        for value_bytes, rounds in RELAY_SIZES:
+            for relay in ((None, bare) if bare is not None else (None,)):
+                print(json.dumps(relay_cost(out / "relay", value_bytes, rounds, relay)),
+                      flush=True)
         return 0
     if args.against == "none":
         print(json.dumps(run_once(REPO, out / "front_0", job, shape)))

@@ -791,6 +791,53 @@ def test_link_shape_profiles_reach_the_front(tmp_path):
         assert spec.rate_bytes_s == (None if rate is None else pytest.approx(rate))
 
 
+def test_the_front_relays_frames_intact_however_the_reads_cut_them(tmp_path):
+    """Frames sent in random pieces (one byte up to several frames at once; 1 MiB chunks of
+    one message among small ones, so that the read buffer grows) reach brpc whole, in order,
+    byte for byte; a bad frame after them is not relayed, nor anything after it."""
+    import random
+    import socket
+    proc, spec, backend, received = forge.start_test_front(tmp_path, free_ports(1)[0],
+                                                           max_message_bytes=4 << 20)
+    rng = random.Random(7)
+    frames = []
+    for i in range(1, 41):
+        key = f"test.3pc.run:P2P-{i}:0->1".encode()
+        if i % 10 == 0:     # one message of two chunks, the first a full 1 MiB
+            whole = bytes(rng.getrandbits(8) for _ in range(64)) * ((1 << 20) // 32)
+            frames.append(forge.forge_frame(0, key, whole[:1 << 20], seq=i,
+                                            message_length=len(whole)))
+            frames.append(forge.forge_frame(0, key, whole[1 << 20:], seq=i,
+                                            message_length=len(whole), chunk_offset=1 << 20))
+        else:
+            frames.append(forge.forge_frame(0, key, rng.randbytes(rng.randrange(1, 5000)), seq=i))
+    good = b"".join(frames)
+    bad = forge.forge_frame(0, b"test.3pc.run:P2P-99:0->2", b"x" * 10, seq=99)   # not to us
+    stream = good + bad + forge.forge_frame(0, b"test.3pc.run:P2P-100:0->1", seq=100)
+    try:
+        with socket.create_connection(("127.0.0.1", spec.listen_port)) as sock:
+            at = 0
+            while at < len(stream):
+                cut = rng.choice((1, 3, 11, 200, 4096, 70_000, 300_000, 2_500_000))
+                try:
+                    sock.sendall(stream[at:at + cut])
+                except OSError:
+                    break           # the front closed the connection at the bad frame
+                at += cut
+            deadline = time.monotonic() + 20
+            while sum(map(len, received)) < len(good) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)
+        assert b"".join(received) == good
+        events = [json.loads(line) for line in open(spec.events_path)]
+        assert [e["kind"] for e in events] == ["dropped a frame and closed the connection"]
+        assert events[0]["node"] == "node:0" and "0->2" in events[0]["why"]
+    finally:
+        proc.kill()
+        proc.wait()
+        backend.close()
+
+
 def test_a_shaping_front_relays_every_frame_intact(tmp_path):
     """With a delay and a rate, the checked frames still reach brpc whole and in order."""
     import socket
