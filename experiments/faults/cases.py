@@ -10,7 +10,7 @@ import signal
 import time
 from typing import Callable
 
-from experiments.faults.forge import SEND_PICKLE, SEND_WRONG_SHAPE, forge_frame, sending
+from experiments.faults.forge import SEND_PICKLE, SEND_WRONG_SHAPE, forge_frame, pb_field, sending
 from experiments.faults.harness import SKIP_OWN_CERT_CHECK, issue_cert, log_text, make_ca, make_certs, node_config, tag, tls_section
 from experiments.faults.kinds import CliCase, ConfigCase, FrontCase, LauncherSignalCase, PartiesCase, WireCase
 
@@ -47,6 +47,19 @@ def front_cases() -> list:
                   "('invalid chunk info' abort in yacl before)",
                   sending(forge_frame(0, run_key, message_length=8, chunk_offset=1 << 62)),
                   ("at offset 4,611,686,018,427,387,904", "does not fit its message of 8")),
+        FrontCase("front: chunk info given twice", "an empty chunk whose chunk info comes in "
+                  "two parts, 8 bytes and then the offset alone: protobuf merges them into a "
+                  "chunk of an 8-byte message, so a front that read the last part alone would "
+                  "pass what yacl reads differently",
+                  sending(forge_frame(0, run_key, b"", message_length=8,
+                                      push_extra=pb_field(5, pb_field(2, 0)))),
+                  ("protobuf field 5 appears twice in one message",)),
+        FrontCase("front: a second request in the meta", "a Push request followed, in the same "
+                  "brpc meta, by a second request naming another service, which protobuf "
+                  "merges into the first",
+                  sending(forge_frame(0, run_key, meta_extra=pb_field(1, pb_field(
+                      1, b"brpc.builtin.FlagsService")))),
+                  ("a brpc meta with a second request",)),
         FrontCase("front: frame of 2^31 bytes", "a brpc header declaring a 2 GiB body",
                   sending(forge_frame(0, run_key, body_size=(1 << 31))),
                   ("a frame of 2,147,483,648 bytes",)),

@@ -59,19 +59,22 @@ def pb_field(number: int, value) -> bytes:
 def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
                 message_length: int | None = None, chunk_offset: int = 0,
                 service: bytes = b"org.interconnection.link.ReceiverService",
-                body_size: int | None = None, seq: int = 1) -> bytes:
+                body_size: int | None = None, seq: int = 1, meta_extra: bytes = b"",
+                push_extra: bytes = b"") -> bytes:
     """A brpc baidu_std frame carrying a yacl Push as SPU 0.9.5's link sends it (fields read
     off the wire: see runtime/distributed/front.py), with any field set to a lie:
     `message_length` makes it a chunk of a message of that length at `chunk_offset`;
     `body_size` overrides the header's body size (the rest is not sent); `seq` is yacl's
-    sequence number after the key (0: unnumbered, as only its connection test sends)."""
+    sequence number after the key (0: unnumbered, as only its connection test sends);
+    `meta_extra` / `push_extra`: raw protobuf fields appended to the RpcMeta / the Push."""
     request = pb_field(1, service) + pb_field(2, b"Push")
-    meta = pb_field(1, request) + pb_field(3, 0) + pb_field(4, 12345)
+    meta = pb_field(1, request) + pb_field(3, 0) + pb_field(4, 12345) + meta_extra
     push = (pb_field(1, sender_rank) + pb_field(2, key + b"\x01\x02" + str(seq).encode())
             + pb_field(3, value))
     if message_length is not None:
         push += pb_field(4, 1) + pb_field(5, pb_field(1, message_length)
                                             + pb_field(2, chunk_offset))
+    push += push_extra
     body = meta + push
     import struct
     header = struct.pack(">4sII", b"PRPC", len(body) if body_size is None else body_size,

@@ -121,10 +121,13 @@ def sequence_number(raw: bytes) -> int:
 
 
 def read_fields(buf, start: int, end: int) -> dict[int, Any]:
-    """The fields of one protobuf message in buf[start:end] -> {number: value} (a repeated
-    field: its last value, as protobuf merges scalars): varints as int, length-delimited as
-    (offset, length) into buf, fixed 32/64-bit as int. One-byte varints (nearly every key,
-    rank and length a frame carries) are read inline: this runs for every relayed frame."""
+    """The fields of one protobuf message in buf[start:end] -> {number: value}: varints as
+    int, length-delimited as (offset, length) into buf, fixed 32/64-bit as int. A field number
+    that appears twice is refused: protobuf would keep the last scalar but merge two embedded
+    messages field by field, so a second chunk_info or request could change, after the check,
+    what the receiver reads (none of the messages read here has a repeated field). One-byte
+    varints (nearly every key, rank and length a frame carries) are read inline: this runs for
+    every relayed frame."""
     fields: dict[int, Any] = {}
     i = start
     while i < end:
@@ -154,6 +157,8 @@ def read_fields(buf, start: int, end: int) -> dict[int, Any]:
             value, i = int.from_bytes(bytes(buf[i:i + n]), "little"), i + n
         else:
             raise FrameError(f"protobuf field {number} has wire type {wire_type}")
+        if number in fields:
+            raise FrameError(f"protobuf field {number} appears twice in one message")
         fields[number] = value
     return fields
 
@@ -195,6 +200,9 @@ def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
     if buf[start:start + len(PUSH_META_PREFIX)] == PUSH_META_PREFIX:
         # The request part as brpc writes it for yacl's Push (every frame of a run).
         rpc = read_fields(buf, start + len(PUSH_META_PREFIX), meta_end)
+        if 1 in rpc:
+            raise FrameError("protobuf field 1 appears twice in one message (a brpc meta "
+                             "with a second request)")
     else:
         rpc = read_fields(buf, start, meta_end)
         request = rpc.get(1)
