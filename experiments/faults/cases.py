@@ -60,6 +60,10 @@ def front_cases() -> list:
                   sending(forge_frame(0, run_key, meta_extra=pb_field(1, pb_field(
                       1, b"brpc.builtin.FlagsService")))),
                   ("a brpc meta with a second request",)),
+        FrontCase("front: a stream in the meta", "a Push request whose brpc meta also asks "
+                  "to open a stream (stream_settings, field 8)",
+                  sending(forge_frame(0, run_key, meta_extra=pb_field(8, pb_field(1, 7)))),
+                  ("a brpc meta with field 8",)),
         FrontCase("front: frame of 2^31 bytes", "a brpc header declaring a 2 GiB body",
                   sending(forge_frame(0, run_key, body_size=(1 << 31))),
                   ("a frame of 2,147,483,648 bytes",)),

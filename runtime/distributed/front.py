@@ -18,8 +18,9 @@ For each incoming connection the front
    4 trans_type (1 = chunked), 5 chunk_info {1 message_length, 2 chunk_offset}. The frame is
    dropped and the connection closed, with a log line naming the peer, when: its body exceeds
    `max_frame_bytes` (yacl splits messages into chunks of the link's
-   http_max_payload_size, 1 MiB); its meta is not a plain `ReceiverService.Push` request;
-   a declared message length exceeds `max_message_bytes` (the largest message the job's
+   http_max_payload_size, 1 MiB); its meta is not a plain `ReceiverService.Push` request
+   (RpcMeta fields 1, 3, 4, 5 only, uncompressed, no attachment); a field of the meta, the
+   request, the Push or its chunk_info appears twice (protobuf would merge them); a declared message length exceeds `max_message_bytes` (the largest message the job's
    programs receive, `party.message_cap_bytes`); a chunk does not fit its message
    (offset + chunk > length) or restates another length; the sender rank is not the node the
    connection is bound to (under TLS: its certificate; in plain TCP: its first frame), or
@@ -83,6 +84,10 @@ PUSH_METHOD = b"Push"
 PUSH_META_PREFIX = (b"\x0a" + bytes([len(PUSH_SERVICE) + len(PUSH_METHOD) + 4]) + b"\x0a"
                     + bytes([len(PUSH_SERVICE)]) + PUSH_SERVICE + b"\x12"
                     + bytes([len(PUSH_METHOD)]) + PUSH_METHOD)
+# The fields of brpc's RpcMeta that a Push request carries: request (1; the fast path reads it
+# as PUSH_META_PREFIX), compress_type (3, must be 0), correlation_id (4), attachment_size (5,
+# must be 0).
+PUSH_META_FIELDS = {1, 3, 4, 5}
 # The most a meta (RpcMeta) or a key may take; brpc's are ~60 bytes, yacl's keys ~30.
 MAX_META_BYTES = 4096
 MAX_KEY_BYTES = 512
@@ -217,6 +222,10 @@ def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
             raise FrameError("a brpc request for another service than ReceiverService.Push")
     if rpc.get(3, 0) != 0 or rpc.get(5, 0) != 0:
         raise FrameError("a compressed brpc frame or one with an attachment")
+    other = sorted(set(rpc) - PUSH_META_FIELDS)
+    if other:
+        raise FrameError(f"a brpc meta with field {other[0]}, which a plain Push request does "
+                         "not have (a response, chunk, authentication, stream or user fields)")
     push = read_fields(buf, meta_end, end)
     rank = push.get(1, 0)
     key = push.get(2)
