@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -726,6 +727,45 @@ def test_front_parses_the_frames_spu_sends():
         front.parse_frame(bytearray(forge.forge_frame(2, b"k", service=b"evil.Service")), 1 << 20)
     with pytest.raises(front.FrameError, match="not a brpc frame"):
         front.parse_frame(bytearray(b"\x80\x04\x95pickle..."), 1 << 20)
+
+
+def test_front_reads_frames_as_protobuf_and_yacl_would():
+    """Where a lenient reader and protobuf would disagree, the front refuses: a field given
+    twice (protobuf merges messages), a varint over 64 bits, a meta shorter than the Push
+    request it starts like; a peer may not hold more than MAX_UNFINISHED_MESSAGES chunked
+    messages unfinished however small; a hello nonce must be 32 hex digits."""
+    from runtime.distributed import front
+    pf, key = forge.pb_field, b"l.run:P2P-1:0->1"
+
+    def parse(frame):
+        return front.parse_frame(bytearray(frame), 1 << 20)
+    with pytest.raises(front.FrameError, match="field 5 appears twice"):
+        parse(forge.forge_frame(0, key, b"", message_length=8, push_extra=pf(5, pf(2, 0))))
+    with pytest.raises(front.FrameError, match="field 1 appears twice"):
+        parse(forge.forge_frame(0, key, push_extra=pf(1, 0)))
+    assert parse(forge.forge_frame(0, key, push_extra=pf(16, 1) + pf(16, 2))).key == key
+    over = b"\x08" + b"\xff" * 9 + b"\x03"      # field 1 = a 66-bit varint
+    with pytest.raises(front.FrameError, match="over 64 bits"):
+        parse(forge.forge_frame(0, key, push_extra=over))
+    # A meta of 3 bytes that starts like the Push request: read within its 3 bytes (as brpc
+    # reads it), not as the request the bytes after it spell.
+    full = forge.forge_frame(0, key)
+    with pytest.raises(front.FrameError, match="field 1 declares 48 bytes, 1 remain"):
+        parse(full[:8] + struct.pack(">I", 3) + full[12:])
+    ledger = front.PeerLedger()
+    rules = dict(bound_rank=0, my_rank=1, link_id=b"l.run", max_message_bytes=1 << 20,
+                 max_buffered_bytes=1 << 20, ledger=ledger)
+    for i in range(front.MAX_UNFINISHED_MESSAGES):
+        front.check_push(parse(forge.forge_frame(0, b"l.run:P2P-%d:0->1" % i, b"",
+                                                 message_length=1)), **rules)
+    with pytest.raises(front.FrameError, match="65 unfinished chunked messages in flight, over "
+                                               "the per-peer cap of 64"):
+        front.check_push(parse(forge.forge_frame(0, b"l.run:P2P-99:0->1", b"",
+                                                 message_length=1)), **rules)
+    nonce = bytes(range(16))
+    assert front.parse_hello(front.hello_request(nonce)) == nonce
+    spaced = front.hello_request(nonce).replace(nonce.hex()[:2].encode(), b" 0", 1)
+    assert len(spaced) == front.HELLO_REQUEST_BYTES and front.parse_hello(spaced) is None
 
 
 def test_front_holds_a_peer_to_the_throttle_window_of_unread_messages():

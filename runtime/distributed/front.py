@@ -20,12 +20,14 @@ For each incoming connection the front
    `max_frame_bytes` (yacl splits messages into chunks of the link's
    http_max_payload_size, 1 MiB); its meta is not a plain `ReceiverService.Push` request
    (RpcMeta fields 1, 3, 4, 5 only, uncompressed, no attachment); a field of the meta, the
-   request, the Push or its chunk_info appears twice (protobuf would merge them); a declared message length exceeds `max_message_bytes` (the largest message the job's
-   programs receive, `party.message_cap_bytes`); a chunk does not fit its message
-   (offset + chunk > length) or restates another length; the sender rank is not the node the
+   request, the Push or its chunk_info appears twice (protobuf would merge them); a declared
+   message length exceeds `max_message_bytes` (the largest message the job's programs
+   receive, `party.message_cap_bytes`); a chunk does not fit its message (offset + chunk >
+   length) or restates another length; the sender rank is not the node the
    connection is bound to (under TLS: its certificate; in plain TCP: its first frame), or
    is this party, or the key's `src->dst` is not `bound rank -> this party`; the unfinished
-   chunked messages of one peer would hold more than `max_buffered_bytes`; with an outbound
+   chunked messages of one peer would hold more than `max_buffered_bytes` or number more than
+   MAX_UNFINISHED_MESSAGES; with an outbound
    side (TLS, or plain TCP to remote peers), the peer would have more than
    `max_unread_messages` complete messages this party has not read (PeerLedger: the outbound
    side reads this party's acknowledgements).
@@ -92,6 +94,10 @@ PUSH_META_FIELDS = {1, 3, 4, 5}
 MAX_META_BYTES = 4096
 MAX_KEY_BYTES = 512
 SEQ_SEPARATOR = b"\x01\x02"
+# The most chunked messages one peer may have unfinished at once. An honest peer has a few
+# (yacl's throttle window holds at most 10 messages in flight); without a bound a peer could
+# declare millions of one-byte messages within max_buffered_bytes.
+MAX_UNFINISHED_MESSAGES = 64
 # Per-connection socket buffers of the relay (flow control: reading pauses above this).
 HIGH_WATER_BYTES = 4 << 20
 # An inbound connection's first read buffer; it grows (doubling) to hold a whole frame.
@@ -105,7 +111,7 @@ class FrameError(ValueError):
 # ----- protobuf reading (integers and byte strings only) -------------------------------------
 
 def read_varint(buf, i: int, end: int) -> tuple[int, int]:
-    """A base-128 varint at buf[i:end] -> (value, next index); at most 10 bytes."""
+    """A base-128 varint at buf[i:end] -> (value, next index); at most 10 bytes and 64 bits."""
     value = shift = 0
     for k in range(10):
         if i >= end:
@@ -114,6 +120,8 @@ def read_varint(buf, i: int, end: int) -> tuple[int, int]:
         i += 1
         value |= (byte & 0x7F) << shift
         if not byte & 0x80:
+            if value >> 64:
+                raise FrameError("a protobuf varint over 64 bits")
             return value, i
         shift += 7
     raise FrameError("a protobuf varint is longer than 10 bytes")
@@ -128,9 +136,10 @@ def sequence_number(raw: bytes) -> int:
 def read_fields(buf, start: int, end: int) -> dict[int, Any]:
     """The fields of one protobuf message in buf[start:end] -> {number: value}: varints as
     int, length-delimited as (offset, length) into buf, fixed 32/64-bit as int. A field number
-    that appears twice is refused: protobuf would keep the last scalar but merge two embedded
-    messages field by field, so a second chunk_info or request could change, after the check,
-    what the receiver reads (none of the messages read here has a repeated field). One-byte
+    below 16 (every field brpc or yacl reads in these messages) that appears twice is refused:
+    protobuf would keep the last scalar but merge two embedded messages field by field, so a
+    second chunk_info or request could change, after the check, what the receiver reads (none
+    of the messages read here has a repeated field). One-byte
     varints (nearly every key, rank and length a frame carries) are read inline: this runs for
     every relayed frame."""
     fields: dict[int, Any] = {}
@@ -162,7 +171,7 @@ def read_fields(buf, start: int, end: int) -> dict[int, Any]:
             value, i = int.from_bytes(bytes(buf[i:i + n]), "little"), i + n
         else:
             raise FrameError(f"protobuf field {number} has wire type {wire_type}")
-        if number in fields:
+        if number < 16 and number in fields:
             raise FrameError(f"protobuf field {number} appears twice in one message")
         fields[number] = value
     return fields
@@ -202,7 +211,8 @@ def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
     if have < HEADER.size + body:
         return None
     start, meta_end, end = at + HEADER.size, at + HEADER.size + meta, at + HEADER.size + body
-    if buf[start:start + len(PUSH_META_PREFIX)] == PUSH_META_PREFIX:
+    if (meta >= len(PUSH_META_PREFIX)
+            and buf[start:start + len(PUSH_META_PREFIX)] == PUSH_META_PREFIX):
         # The request part as brpc writes it for yacl's Push (every frame of a run).
         rpc = read_fields(buf, start + len(PUSH_META_PREFIX), meta_end)
         if 1 in rpc:
@@ -356,6 +366,9 @@ def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
                          f"does not fit its message of {length:,} bytes")
     entry = ledger.unfinished.get(push.key)
     if entry is None:
+        if len(ledger.unfinished) >= MAX_UNFINISHED_MESSAGES:
+            raise FrameError(f"{len(ledger.unfinished) + 1} unfinished chunked messages in "
+                             f"flight, over the per-peer cap of {MAX_UNFINISHED_MESSAGES}")
         if ledger.buffered + length > max_buffered_bytes:
             raise FrameError(f"unfinished messages of {ledger.buffered + length:,} bytes in "
                              f"flight, over the per-peer cap of {max_buffered_bytes:,}")
@@ -413,9 +426,10 @@ def parse_hello(request: bytes) -> bytes | None:
             or not request.endswith(b"\r\n\r\n"):
         return None
     try:
-        return bytes.fromhex(request[5:5 + 2 * HELLO_NONCE_BYTES].decode("ascii"))
+        nonce = bytes.fromhex(request[5:5 + 2 * HELLO_NONCE_BYTES].decode("ascii"))
     except (ValueError, UnicodeDecodeError):
         return None
+    return nonce if len(nonce) == HELLO_NONCE_BYTES else None    # fromhex skips spaces
 
 
 def check_hello_reply(reply: bytes, hello_key: bytes, nonce: bytes, node: str) -> bool:
