@@ -30,5 +30,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# The parties' front door in C for plain-TCP runs (needs cc and OpenSSL's headers; without them
+# every party runs the Python front: same checks, more CPU per frame).
+.venv/bin/python runtime/distributed/front.py --build-fast-front
+
 echo "setup: fetching the default model (SmolLM2-135M-Instruct) if not cached"
 .venv/bin/python -c "from models import smollm2; print('setup: model at', smollm2.fetch_gguf())"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import struct
 import subprocess
@@ -689,12 +690,25 @@ def test_party_table_pools_runs_and_prints_ratios_to_full(tmp_path):
 FRONT_CASES = {case.name: case for case in cases.front_cases()}
 
 
+@pytest.fixture(scope="session")
+def fast_front(tmp_path_factory):
+    """runtime/distributed/fast_front.c built once for the session."""
+    from runtime.distributed.front import FAST_FRONT_NAME, build_fast_front
+    binary = tmp_path_factory.mktemp("fast_front") / FAST_FRONT_NAME
+    why = build_fast_front(binary)
+    if why:
+        pytest.skip(f"cannot build the front in C here ({why}); front.py serves every party")
+    return binary
+
+
 @pytest.mark.parametrize("name", sorted(FRONT_CASES))
-def test_the_front_drops_a_hostile_frame_and_names_the_peer(tmp_path, name):
-    """Each forged frame of experiments/faults/cases.py against a real front process: the
-    connection is closed with a line naming the peer, nothing of it reaches brpc, the front
-    still answers the hello."""
-    observed = FRONT_CASES[name].run(kinds.Context(tmp_path))
+def test_the_front_drops_a_hostile_frame_and_names_the_peer(tmp_path, name, request):
+    """Each forged frame of experiments/faults/cases.py against a real front process (front.py,
+    and for the plain-TCP cases also the front in C): the connection is closed with a line
+    naming the peer, nothing of it reaches brpc, the front still answers the hello."""
+    case = FRONT_CASES[name]
+    ctx = kinds.Context(tmp_path, request.getfixturevalue("fast_front") if case.fast else None)
+    observed = case.run(ctx)
     assert observed.passed, (observed.error, observed.note)
 
 
@@ -768,6 +782,124 @@ def test_front_reads_frames_as_protobuf_and_yacl_would():
     assert len(spaced) == front.HELLO_REQUEST_BYTES and front.parse_hello(spaced) is None
 
 
+def _mutated_frame_cases(rng, count: int) -> list[bytes]:
+    """`count` byte strings a peer might send on a new connection: one to three frames of the
+    kinds yacl sends (and lies about them), then bytes flipped, cut, inserted or appended, or
+    fields added."""
+    pf = forge.pb_field
+
+    def wrap(push: bytes) -> bytes:
+        meta = pf(1, pf(1, b"org.interconnection.link.ReceiverService") + pf(2, b"Push"))
+        return b"PRPC" + struct.pack(">II", len(meta) + len(push), len(meta)) + meta + push
+
+    def frame():
+        i = rng.randrange(1, 40)
+        kind = rng.randrange(12)
+        if kind == 9:       # fields of the wrong type
+            key = pf(2, f"test.3pc.run:P2P-{i}:0->1\x01\x02{i}".encode())
+            return wrap(rng.choice((pf(1, b"0") + key, pf(1, 0) + pf(2, 7),
+                                    pf(1, 0) + key + pf(4, 1) + pf(5, pf(1, b"8")),
+                                    pf(1, 0) + key + pf(4, 1) + pf(5, pf(2, b"0")),
+                                    pf(1, 0) + key + pf(3, 5) + pf(4, 1) + pf(5, pf(1, 5)),
+                                    pf(1, 0) + key + pf(4, b"\x01") + pf(5, 3))))
+        src = rng.choice((0, 0, 0, 2, 1, 7))
+        key = rng.choice((f"test.3pc.run:P2P-{i}:{src}->1", f"test.3pc.run:{i}:ALLGATHER",
+                          f"test.3pc.run-{i}", f"connect_{src}", "ACK", "FIN",
+                          f"other.run:P2P-{i}:0->1", f"test.3pc.run:P2P-{i}:0->2",
+                          f"test.3pc.run:P2P-{i}:0->1->1", "test.3pc.run:x:00->1",
+                          "test.3pc.run:" + "k" * 600))
+        value = rng.randbytes(rng.choice((0, 1, 8, 300, 5000)))
+        extra = dict(seq=rng.choice((i, i, 0, 10 ** 19, 10 ** 21)))
+        if kind < 4:
+            length = rng.choice((len(value), len(value) + 1, 3 * len(value) + 1, 4096, 4097,
+                                 1 << 40, 2 ** 64 - 1))
+            extra.update(message_length=length,
+                         chunk_offset=rng.choice((0, 0, len(value), max(0, length - len(value)),
+                                                  1 << 62)))
+        if kind == 5:
+            extra["push_extra"] = rng.choice((pf(5, pf(2, 0)), pf(1, 0), pf(16, 1) + pf(16, 2),
+                                              pf(4, 1), pf(3, b"v"), b"\x08" + b"\xff" * 9 + b"\x01",
+                                              b"\x08" + b"\xff" * 9 + b"\x02",
+                                              b"\x08" + b"\xff" * 10 + b"\x01", b"\x0f",
+                                              pf(2, b"k")))
+        if kind == 6:
+            extra["meta_extra"] = rng.choice((pf(1, pf(1, b"x")), pf(8, pf(1, 7)), pf(3, 1),
+                                              pf(5, 0), pf(5, 9), pf(2, b""), pf(20, 1), pf(0, 1)))
+        if kind == 7:
+            extra["service"] = rng.choice((b"evil.Service", b"org.interconnection.link.Receiver"))
+        out = forge.forge_frame(min(src, 2) if rng.random() < 0.8 else rng.choice((2 ** 32, 5)),
+                                key.encode(), value, **extra)
+        if kind == 8:       # the meta written field by field (the generic path)
+            meta_size = struct.unpack(">I", out[8:12])[0]
+            meta = out[12:12 + meta_size]
+            request_field = forge.pb_field(1, pf(1, b"org.interconnection.link.ReceiverService")
+                                           + pf(2, b"Push"))
+            rest = meta[len(request_field):]
+            meta = rest + request_field if rng.random() < 0.5 else request_field + rest
+            body = meta + out[12 + meta_size:]
+            out = b"PRPC" + struct.pack(">II", len(body), len(meta)) + body
+        return out
+
+    cases = []
+    for _ in range(count):
+        data = bytearray(b"".join(frame() for _ in range(rng.choice((1, 1, 2, 3)))))
+        for _ in range(rng.choice((0, 0, 1, 1, 2, 3))):
+            how = rng.randrange(5)
+            at = rng.randrange(len(data) + 1)
+            if how == 0 and at < len(data):
+                data[at] ^= 1 << rng.randrange(8)
+            elif how == 1 and at < len(data):
+                data[at] = rng.choice((0, 1, 0x7F, 0x80, 0xFF))
+            elif how == 2:
+                del data[at:]
+            elif how == 3:
+                data[at:at] = rng.randbytes(rng.randrange(1, 4))
+            else:
+                data += rng.randbytes(rng.randrange(1, 20))
+        cases.append(bytes(data))
+    return cases
+
+
+def test_the_front_in_c_gives_front_py_verdicts(fast_front):
+    """A differential fuzz: thousands of forged and mutated connections' bytes read by
+    fast_front.c (--check) and by front.py's Front.check_frames give the same verdict (bytes
+    that pass, and the same error message), with the peers' ledgers carried across cases."""
+    import random
+    import types
+    from runtime.distributed import front
+    cases_ = _mutated_frame_cases(random.Random(2026), 3000)
+    # Then messages left unfinished until the per-peer caps (bytes, then count) are reached.
+    cases_ += [forge.forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % (1000 + j), b"",
+                                 message_length=4096 if j < 4 else 1, seq=1000 + j)
+               for j in range(80)]
+    spec = front.FrontSpec(
+        party="node:1", rank=1, listen_host="127.0.0.1", listen_port=1, link_id="test.3pc.run",
+        peers={"node:2": {"rank": 2}, "node:0": {"rank": 0}}, hello_key="00" * 32,
+        max_frame_bytes=(1 << 20) + (64 << 10), max_message_bytes=4096,
+        max_buffered_bytes=12_288, events_path="/dev/null")
+    reference = front.Front(spec, 0)
+    want = []
+    for data in cases_:
+        at, err = reference.check_frames(types.SimpleNamespace(node=None, ledger=None),
+                                         memoryview(data))
+        want.append(f"{at} error: {err}" if err else f"{at} waits")
+    args = [str(fast_front), "--check", "0", spec.party, "1", spec.link_id, spec.hello_key,
+            str(spec.max_frame_bytes), str(spec.max_message_bytes), str(spec.max_buffered_bytes),
+            spec.events_path, "node:2", "2", "node:0", "0"]
+    stream = b"".join(struct.pack(">I", len(d)) + d for d in cases_)
+    done = subprocess.run(args, input=stream, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = done.stdout.decode().splitlines()
+    assert len(got) == len(want)
+    differ = [(i, cases_[i][:120], w, g) for i, (w, g) in enumerate(zip(want, got)) if w != g]
+    assert not differ, differ[:5]
+    # Not vacuous: many kinds of error, and frames passing.
+    kinds_of_error = {re.sub(r"[\d,]+|b'.*?'|b\".*?\"", "N", w.split("error: ", 1)[1])
+                      for w in want if "error: " in w}
+    assert len(kinds_of_error) >= 29, sorted(kinds_of_error)
+    assert sum(int(w.split()[0]) > 0 for w in want) >= 250
+
+
 def test_front_holds_a_peer_to_the_throttle_window_of_unread_messages():
     """Complete messages of a peer count as unread until this party's own outgoing ACK names
     their sequence number (read off its brpc frames by the outbound side); one more than the
@@ -831,14 +963,17 @@ def test_link_shape_profiles_reach_the_front(tmp_path):
         assert spec.rate_bytes_s == (None if rate is None else pytest.approx(rate))
 
 
-def test_the_front_relays_frames_intact_however_the_reads_cut_them(tmp_path):
+@pytest.mark.parametrize("program", ["front.py", "fast_front"])
+def test_the_front_relays_frames_intact_however_the_reads_cut_them(tmp_path, program, request):
     """Frames sent in random pieces (one byte up to several frames at once; 1 MiB chunks of
     one message among small ones, so that the read buffer grows) reach brpc whole, in order,
     byte for byte; a bad frame after them is not relayed, nor anything after it."""
     import random
     import socket
+    binary = request.getfixturevalue("fast_front") if program == "fast_front" else None
     proc, spec, backend, received = forge.start_test_front(tmp_path, free_ports(1)[0],
-                                                           max_message_bytes=4 << 20)
+                                                           max_message_bytes=4 << 20,
+                                                           fast_front=binary)
     rng = random.Random(7)
     frames = []
     for i in range(1, 41):

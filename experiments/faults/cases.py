@@ -3,6 +3,7 @@ parties, launcher, front door, CLI). `all_cases()` is the list the runner
 (experiments/fault_cases.py) and the tests enumerate."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -38,7 +39,7 @@ def front_cases() -> list:
     unread = [forge_frame(0, f"test.3pc.run:P2P-{i}:0->1".encode(), b"u" * 1024, seq=i)
               for i in range(1, 14)]
 
-    return [
+    python_front = [
         FrontCase("front: chunk declaring 2^40 bytes", "a well-formed chunked Push from 'rank 0' "
                   "declaring a total length of 2^40 (std::bad_alloc in the worker before)",
                   sending(forge_frame(0, run_key, message_length=1 << 40)),
@@ -101,6 +102,9 @@ def front_cases() -> list:
                   "SAN IP:10.9.9.9 (brpc accepted it before)", wrong_san,
                   ("refused a TLS client", "no subjectAltName for node:0's host"), tls=True),
     ]
+    # The plain-TCP cases again against the front in C that front.py runs in its place.
+    return python_front + [dataclasses.replace(case, name="fast " + case.name, fast=True)
+                           for case in python_front if not case.tls]
 
 
 # ----- the list ---------------------------------------------------------------------------------

@@ -83,10 +83,12 @@ def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
 
 
 def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
-                     max_message_bytes: int = 1 << 20, spec_overrides: dict | None = None):
+                     max_message_bytes: int = 1 << 20, spec_overrides: dict | None = None,
+                     fast_front: pathlib.Path | None = None):
     """A front for node:1 of a 3-party config (ranks 0-2) on 127.0.0.1:port, plain or TLS
     (certificates under folder/certs), with a recording stand-in backend -> (process, spec,
-    backend socket, list of received byte strings)."""
+    backend socket, list of received byte strings). front.py, or with `fast_front` (a build
+    of fast_front.c) that program where front.py would run it (plain TCP)."""
     import socket
     import threading
     from runtime.distributed import front as front_mod
@@ -110,7 +112,8 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
     pathlib.Path(spec.events_path).write_text("")
     proc = subprocess.Popen([sys.executable, front_mod.__file__, spec.to_json()],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=open(folder / "front.log", "w"), env=child_env())
+                            stderr=open(folder / "front.log", "w"),
+                            env=child_env({front_mod.FAST_FRONT_ENV: str(fast_front or "off")}))
     ready = json.loads(proc.stdout.readline())
     backend = socket.socket()
     backend.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

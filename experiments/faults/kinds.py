@@ -32,8 +32,20 @@ class Observed:
 
 @dataclasses.dataclass
 class Context:
-    """Where a case keeps its files, and the free ports it may use."""
+    """Where a case keeps its files, and the free ports it may use; `fast_front`: a build of
+    runtime/distributed/fast_front.c (made under root on first use if not given)."""
     root: pathlib.Path
+    fast_front: pathlib.Path | None = None
+
+    def fast_front_binary(self) -> pathlib.Path:
+        if self.fast_front is None:
+            from runtime.distributed.front import FAST_FRONT_NAME, build_fast_front
+            binary = self.root / "fast_front" / FAST_FRONT_NAME
+            why = build_fast_front(binary)
+            if why:
+                raise RuntimeError(f"cannot build runtime/distributed/fast_front.c: {why}")
+            self.fast_front = binary
+        return self.fast_front
 
     def case_dir(self, name: str) -> pathlib.Path:
         path = self.root / "cases" / re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
@@ -242,12 +254,15 @@ class FrontCase:
     must_say: tuple[str, ...]
     tls: bool = False
     legit_bytes: int = 0        # bytes sent before the offending frame (forwarded)
+    fast: bool = False          # against the front in C (fast_front.c), plain TCP only
     expected: str = ("the front drops the frame, closes the connection naming the peer; "
                      "nothing of it reaches brpc; the front lives")
 
     def run(self, ctx: Context) -> Observed:
         folder = ctx.case_dir(self.name)
-        proc, spec, backend, received = start_test_front(folder, ctx.ports(1)[0], tls=self.tls)
+        proc, spec, backend, received = start_test_front(
+            folder, ctx.ports(1)[0], tls=self.tls,
+            fast_front=ctx.fast_front_binary() if self.fast else None)
         try:
             start = time.perf_counter()
             sock = self.attack(("127.0.0.1", spec.listen_port), spec, folder)

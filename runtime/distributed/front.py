@@ -44,6 +44,12 @@ Events (a refused connection, a dropped frame) are printed as one `[party X] fro
 line each on stderr and appended as JSON lines to `events_path`, which the party's worker
 and supervisor read to name the peer when the run then fails.
 
+In plain TCP without an outbound side or shaping (every party on loopback), when
+scripts/setup.sh has built fast_front.c, this process binds the public port, announces, and
+executes that program in its place: the same rules, messages and events in C, for about half
+the CPU per relayed frame (tests: every plain-TCP fault case against both, and a differential
+fuzz of their verdicts). MPCACHE_FAST_FRONT=off keeps this file's front.
+
 Runs as its own process (`python front.py SPEC_JSON`, stdlib only: it imports nothing of the
 project but its sibling certs.py), started by the party's worker (`party.start_front`); on start-up it
 prints one JSON line {"ready": true, "backend_port": P, "outbound": {node: port}} or
@@ -61,6 +67,7 @@ import errno
 import hashlib
 import hmac
 import json
+import pathlib
 import re
 import socket
 import ssl
@@ -514,6 +521,39 @@ class Front:
             found = self.ledgers[node] = PeerLedger()
         return found
 
+    def check_frames(self, conn, view) -> tuple[int, FrameError | None]:
+        """The whole frames at the start of `view` from connection `conn` (its .node: the peer
+        node it is bound to, None until its first frame binds it in plain TCP; .ledger) ->
+        (bytes of those that pass, None), or the same and the FrameError of the first that
+        does not. Counts the frames that pass in `stats`."""
+        spec, at = self.spec, 0
+        while True:
+            try:
+                push = parse_frame(view, spec.max_frame_bytes, at)
+                if push is None:
+                    return at, None
+                if conn.node is None:
+                    # Plain TCP: the first frame binds the connection to a peer's rank.
+                    node = self.node_of.get(push.sender_rank)
+                    if node is None:
+                        raise FrameError(f"a Push claiming sender rank {push.sender_rank}, "
+                                         f"which is not a peer of this party (rank "
+                                         f"{spec.rank}; peers {sorted(self.rank_of.values())})")
+                    conn.node = node
+                if conn.ledger is None:     # one per peer node, shared by its connections
+                    conn.ledger = self.ledger(conn.node)
+                check_push(push, bound_rank=self.rank_of[conn.node], my_rank=spec.rank,
+                           link_id=self.link_id, max_message_bytes=self.max_message_bytes,
+                           max_buffered_bytes=spec.max_buffered_bytes, ledger=conn.ledger,
+                           max_unread=self.max_unread)
+            except FrameError as err:
+                return at, err
+            at += push.frame_bytes
+            self.stats["frames"] += 1
+            size = push.message_length if push.message_length is not None else push.chunk_bytes
+            if size > self.stats["max_message"]:
+                self.stats["max_message"] = size
+
     def event(self, kind: str, peer_address: str, node: str | None, why: str) -> None:
         who = f"{node} ({peer_address})" if node else peer_address
         line = f"[party {self.spec.party}] front: {kind} from {who}: {why}"
@@ -614,41 +654,14 @@ class _Inbound(asyncio.BufferedProtocol):
     def _frames(self) -> None:
         """Check the whole frames in buf[:filled]; forward them in one write; move an
         incomplete frame's bytes to the start of buf for the next read."""
-        spec, front = self.front.spec, self.front
         view = memoryview(self.buf)[:self.filled]
-        at = 0
-        while True:
-            try:
-                push = parse_frame(view, spec.max_frame_bytes, at)
-                if push is None:
-                    break
-                if self.node is None:
-                    # Plain TCP: the first frame binds the connection to a peer's rank.
-                    node = front.node_of.get(push.sender_rank)
-                    if node is None:
-                        raise FrameError(f"a Push claiming sender rank {push.sender_rank}, "
-                                         f"which is not a peer of this party (rank "
-                                         f"{spec.rank}; peers {sorted(front.rank_of.values())})")
-                    self.node = node
-                if self.ledger is None:     # one per peer node, shared by its connections
-                    self.ledger = front.ledger(self.node)
-                check_push(push, bound_rank=front.rank_of[self.node], my_rank=spec.rank,
-                           link_id=front.link_id, max_message_bytes=front.max_message_bytes,
-                           max_buffered_bytes=spec.max_buffered_bytes, ledger=self.ledger,
-                           max_unread=front.max_unread)
-            except FrameError as err:
-                self._forward(view, at)     # the whole frames before it were checked
-                view.release()
-                self._refuse("dropped a frame and closed the connection", str(err))
-                return
-            at += push.frame_bytes
-            front.stats["frames"] += 1
-            size = push.message_length if push.message_length is not None else push.chunk_bytes
-            if size > front.stats["max_message"]:
-                front.stats["max_message"] = size
-        front.stats["bytes"] += at
-        self._forward(view, at)
+        at, err = self.front.check_frames(self, view)
+        self.front.stats["bytes"] += at
+        self._forward(view, at)     # the whole frames before a bad one were checked
         view.release()
+        if err is not None:
+            self._refuse("dropped a frame and closed the connection", str(err))
+            return
         if at:
             rest = self.filled - at
             self.buf[:rest] = self.buf[at:self.filled]
@@ -696,6 +709,11 @@ class _Inbound(asyncio.BufferedProtocol):
             self.closed = True
             return
         if self.closed:
+            # Refused or gone before brpc's side was open: the frames checked before that
+            # still go to brpc, as they would have on an open connection.
+            for frame in self.pending:
+                pipe.transport.write(frame)
+            self.pending.clear()
             pipe.transport.close()
             return
         self.pipe = pipe
@@ -843,10 +861,7 @@ async def serve(spec: FrontSpec, announce=print) -> None:
                                           spec.listen_port, ssl=server_ctx,
                                           reuse_address=True)
     except OSError as err:
-        kind = "address in use" if err.errno == errno.EADDRINUSE else "cannot listen"
-        announce(json.dumps({"error": f"{spec.listen_host}:{spec.listen_port}: {err.strerror}",
-                             "kind": kind}))
-        raise SystemExit(2)
+        _cannot_listen(spec, err, announce)
     outbound = {}
     servers = [server]
     if spec.tls or spec.relay_outbound:
@@ -912,9 +927,126 @@ def _keep_freed_memory(max_frame_bytes: int) -> None:
     mallopt(m_top_pad, 2 * max_frame_bytes)
 
 
+# ----- the front in C for plain TCP (fast_front.c) -------------------------------------------
+
+FAST_FRONT_SOURCE = pathlib.Path(__file__).with_name("fast_front.c")
+# Where scripts/setup.sh builds it (beside the venv's python), and the variable that picks
+# another build ("off": always this file's front).
+FAST_FRONT_NAME = "mpcache-fast-front"
+FAST_FRONT_ENV = "MPCACHE_FAST_FRONT"
+
+
+def fast_front_source_hash() -> str:
+    return hashlib.sha256(FAST_FRONT_SOURCE.read_bytes()).hexdigest()
+
+
+def build_fast_front(binary: pathlib.Path) -> str | None:
+    """Compile fast_front.c into `binary` (cc, OpenSSL's libcrypto), and beside it
+    `binary`.sha256 naming the source it was built from -> None, or why it could not."""
+    import subprocess
+    import tempfile
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=binary.parent) as scratch:
+        built = pathlib.Path(scratch) / binary.name
+        try:
+            made = subprocess.run(["cc", "-O2", "-pthread", "-o", str(built),
+                                   str(FAST_FRONT_SOURCE), "-lcrypto"],
+                                  capture_output=True, text=True)
+        except OSError as err:
+            return f"no C compiler ({err.strerror})"
+        if made.returncode != 0:
+            return "cc failed (OpenSSL's headers, Debian's libssl-dev?): " + \
+                made.stderr.strip().splitlines()[-1][:300] if made.stderr.strip() else "cc failed"
+        built.replace(binary)
+    pathlib.Path(f"{binary}.sha256").write_text(fast_front_source_hash() + "\n")
+    return None
+
+
+def fast_front_binary(spec: FrontSpec) -> pathlib.Path | None:
+    """The C front to run in this process's place for `spec`, or None: only in plain TCP
+    with no outbound side and no shaping on an IP address, and only a build of this
+    checkout's fast_front.c (its .sha256 beside it); MPCACHE_FAST_FRONT names another build
+    or is "off"."""
+    import ipaddress
+    import os
+    choice = os.environ.get(FAST_FRONT_ENV, "")
+    if choice == "off" or spec.tls is not None or spec.relay_outbound or spec.delay_s > 0 \
+            or spec.rate_bytes_s:
+        return None
+    try:
+        ipaddress.ip_address(spec.listen_host)
+    except ValueError:
+        return None
+    binary = pathlib.Path(choice) if choice else pathlib.Path(sys.prefix) / "bin" / FAST_FRONT_NAME
+    try:
+        built_from = pathlib.Path(f"{binary}.sha256").read_text().strip()
+    except OSError:
+        if choice:
+            print(f"[party {spec.party}] front: {FAST_FRONT_ENV}={choice} has no .sha256 beside "
+                  "it (build it with front.build_fast_front); running front.py",
+                  file=sys.stderr, flush=True)
+        return None
+    if built_from != fast_front_source_hash():
+        print(f"[party {spec.party}] front: {binary} was built from another fast_front.c; "
+              "running front.py (rebuild: bash scripts/setup.sh)", file=sys.stderr, flush=True)
+        return None
+    return binary
+
+
+def _cannot_listen(spec: FrontSpec, err: OSError, announce) -> None:
+    kind = "address in use" if err.errno == errno.EADDRINUSE else "cannot listen"
+    announce(json.dumps({"error": f"{spec.listen_host}:{spec.listen_port}: {err.strerror}",
+                         "kind": kind}))
+    raise SystemExit(2)
+
+
+def exec_fast_front(spec: FrontSpec, binary: pathlib.Path, announce) -> None:
+    """Bind the public port, announce, and replace this process with the C front, which
+    inherits the bound socket, the control pipe and stderr (does not return)."""
+    import os
+    family = socket.AF_INET6 if ":" in spec.listen_host else socket.AF_INET
+    try:
+        listener = socket.create_server((spec.listen_host, spec.listen_port), family=family)
+    except OSError as err:
+        _cannot_listen(spec, err, announce)
+    backend_port = free_port()
+    announce(json.dumps({"ready": True, "backend_port": backend_port, "outbound": {},
+                         "program": "fast_front"}))
+    os.set_inheritable(listener.fileno(), True)
+    peers = [str(x) for node, p in spec.peers.items() for x in (node, int(p["rank"]))]
+    os.execv(binary, [str(binary), str(listener.fileno()), str(backend_port), spec.party,
+                      str(spec.rank), spec.link_id, spec.hello_key, str(spec.max_frame_bytes),
+                      str(spec.max_message_bytes), str(spec.max_buffered_bytes),
+                      spec.events_path] + peers)
+
+
+def install_fast_front() -> str:
+    """Build fast_front.c beside this venv's python unless the build there is of this source
+    (scripts/setup.sh: `python runtime/distributed/front.py --build-fast-front`) -> what
+    happened, one line."""
+    binary = pathlib.Path(sys.prefix) / "bin" / FAST_FRONT_NAME
+    try:
+        if pathlib.Path(f"{binary}.sha256").read_text().strip() == fast_front_source_hash():
+            return f"the parties' front in C is up to date ({binary})"
+    except OSError:
+        pass
+    why = build_fast_front(binary)
+    if why:
+        return (f"the parties' front in C was not built ({why}); every party runs front.py: the "
+                "same checks, about twice the CPU per relayed frame")
+    return f"built the parties' front in C for plain-TCP runs ({binary})"
+
+
 def main(argv: list[str]) -> int:
+    if argv[1:] == ["--build-fast-front"]:
+        print("setup: " + install_fast_front())
+        return 0
     _die_with_parent()
     spec = FrontSpec.from_json(argv[1])
+    announce = lambda line: print(line, flush=True)    # noqa: E731
+    fast = fast_front_binary(spec)
+    if fast is not None:
+        exec_fast_front(spec, fast, announce)
     _keep_freed_memory(spec.max_frame_bytes)
     try:
         import uvloop      # optional: about 2x less CPU per relayed frame than asyncio's loop
@@ -922,7 +1054,7 @@ def main(argv: list[str]) -> int:
     except ImportError:
         run = asyncio.run
     try:
-        run(serve(spec, announce=lambda line: print(line, flush=True)))
+        run(serve(spec, announce=announce))
     except KeyboardInterrupt:
         return 0
     return 0

@@ -298,6 +298,9 @@ def start_front(config: NodeConfig, party_id: str, output_dir) -> FrontHandle:
                                f"nodes[{party_id!r}] another port")
         raise RuntimeError(f"{party_id}'s front could not listen on {address}: "
                            f"{answer.get('error')}")
+    if answer.get("program") == "fast_front":
+        print(f"[party {party_id}] front: the front in C (fast_front.c) serves {spec.listen_host}:"
+              f"{spec.listen_port}", file=sys.stderr, flush=True)
     return FrontHandle(proc, int(answer["backend_port"]),
                        {k: int(v) for k, v in answer.get("outbound", {}).items()}, events)
 
