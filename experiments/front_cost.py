@@ -4,7 +4,7 @@ invocation; prints the ratio of wall per decode step (results: docs/results.md "
 door").
 
     python -m experiments.front_cost OUTPUT_DIR [--against=REV] [--pairs=N] [--shape=SHAPE]
-                                     [--job=JSON] [--floor]
+                                     [--job=JSON] [--floor] [--front_py]
     python -m experiments.front_cost OUTPUT_DIR --relay [--floor]   # per round trip, no parties
 
 --against: a git revision without the fronts (default: the commit before them); it is checked
@@ -14,8 +14,10 @@ out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without
 "max_new_tokens": 4, "prefill": "clear", "timeout_s": 1800}'. --floor: a third run in each
 pair, every front replaced by experiments/bare_relay.c (a relay in C that forwards bytes and
 checks nothing): what the relay hop costs by itself, the floor of any front in its own process.
---relay: no parties; one front's CPU and wall per relayed request + reply at three frame sizes
-(with --floor, the bare relay's beside it).
+--front_py: one more run per pair with front.py serving every party (by default plain-TCP
+runs get the front in C, runtime/distributed/fast_front.c, where scripts/setup.sh built it).
+--relay: no parties; one front's CPU and wall per relayed request + reply at three frame sizes,
+front.py's and the front in C's (with --floor, the bare relay's beside them).
 
 The job: llama-tiny, 2 layers, a 32-token random prompt, `full`, 8 greedy tokens (7 decode
 steps), ABY3, fresh loopback ports per run. Runs alternate (baseline, [bare,] front,
@@ -121,12 +123,13 @@ def build_bare_relay(out: pathlib.Path) -> pathlib.Path:
     return binary
 
 
-def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, bare: pathlib.Path | None
-               = None) -> dict:
-    """One front (plain TCP; with `bare`, that relay instead) between a client that sends a
-    Push of `value_bytes` and waits for a 40-byte reply, and a stand-in brpc that replies to
-    each whole frame: the front's CPU and the wall per relayed request + reply; for the
-    front also the checks alone (parse_frame + check_push, timed in this process)."""
+def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "front.py",
+               binary: pathlib.Path | None = None) -> dict:
+    """One front in plain TCP (`relay`: "front.py", "fast_front" or "bare", the last two
+    built at `binary`) between a client that sends a Push of `value_bytes` and waits for a
+    40-byte reply, and a stand-in brpc that replies to each whole frame: the front's CPU and
+    the wall per relayed request + reply; for front.py also its checks alone (parse_frame +
+    check_push, timed in this process)."""
     import socket
     import threading
     import timeit
@@ -134,12 +137,13 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, bare: pathlib.P
     from runtime.distributed import front
     from runtime.distributed.launch import free_ports
     out.mkdir(parents=True, exist_ok=True)
-    proc, spec, backend, _ = start_test_front(out, free_ports(1)[0],
-                                              max_message_bytes=max(value_bytes, 1 << 20))
-    if bare is not None:
+    proc, spec, backend, _ = start_test_front(
+        out, free_ports(1)[0], max_message_bytes=max(value_bytes, 1 << 20),
+        fast_front=binary if relay == "fast_front" else None)
+    if relay == "bare":
         proc.kill()
         proc.wait()
-        proc = subprocess.Popen([str(bare), spec.to_json()], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([str(binary), spec.to_json()], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE)
         port = json.loads(proc.stdout.readline())["backend_port"]
     else:
@@ -181,11 +185,11 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, bare: pathlib.P
     proc.kill()
     proc.wait()
     answering.close()
-    result = {"relay": "bare" if bare is not None else "front", "value_bytes": value_bytes,
+    result = {"relay": relay, "value_bytes": value_bytes,
               "rounds": rounds,
               "cpu_us_per_round_trip": round((after["cpu_s"] - before["cpu_s"]) / rounds * 1e6, 1),
               "wall_us_per_round_trip": round(wall / rounds * 1e6, 1)}
-    if bare is None:
+    if relay == "front.py":
         ledger = front.PeerLedger()
 
         def check():
@@ -215,10 +219,13 @@ def main(argv: list[str]) -> int:
                         help="a third run per pair: every front replaced by a relay with no "
                              "checks (experiments/bare_relay.c, built here with cc), the cost "
                              "of the relay hop alone")
+    parser.add_argument("--front_py", action="store_true",
+                        help="one more run per pair: every front front.py (MPCACHE_FAST_FRONT="
+                             "off), where the default is the front in C when it is built")
     parser.add_argument("--relay", action="store_true",
                         help="instead (no parties): one front's CPU and wall per relayed "
-                             "request + reply at three frame sizes, and the checks' share; "
-                             "with --floor the bare relay's too")
+                             "request + reply at three frame sizes, front.py's and the front "
+                             "in C's; with --floor the bare relay's too")
     args = parser.parse_args(argv[1:])
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
@@ -234,10 +241,19 @@ def main(argv: list[str]) -> int:
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     if args.relay:
-        bare = build_bare_relay(out) if args.floor else None
+        from runtime.distributed.front import FAST_FRONT_NAME, build_fast_front
+        relays = [("front.py", None)]
+        fast = out / FAST_FRONT_NAME
+        why = build_fast_front(fast)
+        if why:
+            print(f"the front in C is not measured: {why}", file=sys.stderr)
+        else:
+            relays.append(("fast_front", fast))
+        if args.floor:
+            relays.append(("bare", build_bare_relay(out)))
         for value_bytes, rounds in RELAY_SIZES:
-            for relay in ((None, bare) if bare is not None else (None,)):
-                print(json.dumps(relay_cost(out / "relay", value_bytes, rounds, relay)),
+            for relay, binary in relays:
+                print(json.dumps(relay_cost(out / "relay", value_bytes, rounds, relay, binary)),
                       flush=True)
         return 0
     if args.against == "none":
@@ -245,6 +261,9 @@ def main(argv: list[str]) -> int:
         return 0
     base = baseline_checkout(args.against, out)
     arms = [("before", base, {}), ("front", REPO, {})]
+    if args.front_py:
+        from runtime.distributed.front import FAST_FRONT_ENV
+        arms.append(("front.py", REPO, {FAST_FRONT_ENV: "off"}))
     if args.floor:
         from runtime.distributed.party import FRONT_PROGRAM_ENV
         arms.insert(1, ("bare", REPO, {FRONT_PROGRAM_ENV: str(build_bare_relay(out))}))
