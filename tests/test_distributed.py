@@ -860,10 +860,12 @@ def _mutated_frame_cases(rng, count: int) -> list[bytes]:
     return cases
 
 
-def test_the_front_in_c_gives_front_py_verdicts(fast_front):
+def test_the_front_in_c_gives_front_py_verdicts(fast_front, tmp_path):
     """A differential fuzz: thousands of forged and mutated connections' bytes read by
     fast_front.c (--check) and by front.py's Front.check_frames give the same verdict (bytes
-    that pass, and the same error message), with the peers' ledgers carried across cases."""
+    that pass, and the same error message), with the peers' ledgers carried across cases; the
+    same again from a build with AddressSanitizer and UndefinedBehaviorSanitizer, where cc
+    has them, which must not report anything."""
     import random
     import types
     from runtime.distributed import front
@@ -887,12 +889,20 @@ def test_the_front_in_c_gives_front_py_verdicts(fast_front):
             str(spec.max_frame_bytes), str(spec.max_message_bytes), str(spec.max_buffered_bytes),
             spec.events_path, "node:2", "2", "node:0", "0"]
     stream = b"".join(struct.pack(">I", len(d)) + d for d in cases_)
-    done = subprocess.run(args, input=stream, capture_output=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    got = done.stdout.decode().splitlines()
-    assert len(got) == len(want)
-    differ = [(i, cases_[i][:120], w, g) for i, (w, g) in enumerate(zip(want, got)) if w != g]
-    assert not differ, differ[:5]
+    sanitized = tmp_path / "fast_front_sanitized"
+    from runtime.distributed.front import FAST_FRONT_SOURCE
+    built = subprocess.run(["cc", "-O1", "-g", "-fsanitize=address,undefined",
+                            "-fno-sanitize-recover=all", "-pthread", "-o", str(sanitized),
+                            str(FAST_FRONT_SOURCE), "-lcrypto"], capture_output=True)
+    for binary in [fast_front] + ([sanitized] if built.returncode == 0 else []):
+        done = subprocess.run([str(binary)] + args[1:], input=stream, capture_output=True,
+                              timeout=300)
+        assert done.returncode == 0 and not done.stderr, (binary, done.stderr[-2000:])
+        got = done.stdout.decode().splitlines()
+        assert len(got) == len(want)
+        differ = [(i, cases_[i][:120], w, g) for i, (w, g) in enumerate(zip(want, got))
+                  if w != g]
+        assert not differ, (binary, differ[:5])
     # Not vacuous: many kinds of error, and frames passing.
     kinds_of_error = {re.sub(r"[\d,]+|b'.*?'|b\".*?\"", "N", w.split("error: ", 1)[1])
                       for w in want if "error: " in w}

@@ -55,7 +55,7 @@
 #define READ_BYTES (64 << 10)
 #define HELLO_BYTES 41          /* "MPCH " + 32 hex digits + "\r\n\r\n" */
 #define MAX_PEERS 64
-#define MAX_CONNECTIONS 512
+#define MAX_CONNECTIONS 256     /* two descriptors each, within the usual limit of 1024 */
 #define WHY_BYTES 1024
 
 static const char PUSH_SERVICE[] = "org.interconnection.link.ReceiverService";
@@ -862,7 +862,10 @@ int main(int argc, char **argv) {
         socklen_t from_len = sizeof from;
         int fd = accept((int)listen_fd, (struct sockaddr *)&from, &from_len);
         if (fd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE)
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+                usleep(20000);          /* out of descriptors: wait for some to close */
+            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE
+                || errno == ENOBUFS || errno == ENOMEM)
                 continue;
             perror("fast_front: accept");
             return 3;
