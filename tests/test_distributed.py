@@ -782,6 +782,25 @@ def test_front_reads_frames_as_protobuf_and_yacl_would():
     assert len(spaced) == front.HELLO_REQUEST_BYTES and front.parse_hello(spaced) is None
 
 
+def test_the_front_in_c_closes_connections_that_say_nothing(tmp_path, fast_front):
+    """A connection that sends no first bytes is closed after 10 s (it would otherwise hold
+    one of the C front's connection slots for good); the front still answers the hello."""
+    import socket
+    proc, spec, backend, _ = forge.start_test_front(tmp_path, free_ports(1)[0],
+                                                    fast_front=fast_front)
+    try:
+        with socket.create_connection(("127.0.0.1", spec.listen_port)) as idle:
+            idle.settimeout(30)
+            start = time.monotonic()
+            assert idle.recv(10) == b""
+            assert 9 < time.monotonic() - start < 20
+        assert forge.front_answers_hello(spec, None)
+    finally:
+        proc.kill()
+        proc.wait()
+        backend.close()
+
+
 def _mutated_frame_cases(rng, count: int) -> list[bytes]:
     """`count` byte strings a peer might send on a new connection: one to three frames of the
     kinds yacl sends (and lies about them), then bytes flipped, cut, inserted or appended, or

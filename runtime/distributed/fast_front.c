@@ -21,7 +21,9 @@
    event is printed and appended to the events file naming the peer.
 
    Where it differs: it serves at most MAX_CONNECTIONS connections at once (front.py has no
-   bound; a thread each here) and refuses more with an event.
+   bound; a thread each here) and refuses more with an event, and a connection that has not
+   shown its first bytes (and a hello's rest) within FIRST_BYTES_S is closed, so that idle
+   connections cannot hold every slot.
 
    Usage (by front.py only; --check in place of LISTEN_FD: see check_mode): fast_front
        LISTEN_FD BACKEND_PORT PARTY RANK LINK_ID HELLO_KEY_HEX
@@ -57,6 +59,7 @@
 #define MAX_PEERS 64
 #define MAX_CONNECTIONS 256     /* two descriptors each, within the usual limit of 1024 */
 #define WHY_BYTES 1024
+#define FIRST_BYTES_S 10
 
 static const char PUSH_SERVICE[] = "org.interconnection.link.ReceiverService";
 static const char PUSH_METHOD[] = "Push";
@@ -662,6 +665,8 @@ static void relay_frames(Connection *c, unsigned char *buf, size_t size, size_t 
     }
     int one = 1;
     setsockopt(c->backend_fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    struct timeval forever = {0, 0};        /* brpc connections idle between steps */
+    setsockopt(c->peer_fd, SOL_SOCKET, SO_RCVTIMEO, &forever, sizeof forever);
     if (pthread_create(&reply_thread, NULL, replies, c)) {
         free(buf);
         return;
@@ -888,6 +893,8 @@ int main(int argc, char **argv) {
         snprintf(c->address, sizeof c->address, "%s:%d", host, port);
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        struct timeval first_bytes = {FIRST_BYTES_S, 0};
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &first_bytes, sizeof first_bytes);
         pthread_mutex_lock(&lock);
         int too_many = open_connections >= MAX_CONNECTIONS;
         if (!too_many) open_connections++;
