@@ -909,10 +909,9 @@ def test_the_front_in_c_gives_front_py_verdicts(fast_front, tmp_path):
             spec.events_path, "node:2", "2", "node:0", "0"]
     stream = b"".join(struct.pack(">I", len(d)) + d for d in cases_)
     sanitized = tmp_path / "fast_front_sanitized"
-    from runtime.distributed.front import FAST_FRONT_SOURCE
     built = subprocess.run(["cc", "-O1", "-g", "-fsanitize=address,undefined",
                             "-fno-sanitize-recover=all", "-pthread", "-o", str(sanitized),
-                            str(FAST_FRONT_SOURCE), "-lcrypto"], capture_output=True)
+                            str(front.FAST_FRONT_SOURCE), "-lcrypto"], capture_output=True)
     for binary in [fast_front] + ([sanitized] if built.returncode == 0 else []):
         done = subprocess.run([str(binary)] + args[1:], input=stream, capture_output=True,
                               timeout=300)
