@@ -279,22 +279,14 @@ typedef struct {
 
 /* The frame at b[0:have] -> 1 and `p`, 0 if more bytes are needed, -1 and `why`. */
 static int parse_frame(const unsigned char *b, size_t have, Push *p, Text *why) {
-    if (have < HEADER_BYTES) {
-        size_t n = have < 4 ? have : 4;
-        if (memcmp(b, "PRPC", n)) {
-            put(why, "bytes that are not a brpc frame (starts ");
-            put_repr(why, b, n);
-            put(why, ")");
-            return -1;
-        }
-        return 0;
-    }
-    if (memcmp(b, "PRPC", 4)) {
+    size_t head = have < 4 ? have : 4;      /* the magic as far as it has arrived */
+    if (memcmp(b, "PRPC", head)) {
         put(why, "bytes that are not a brpc frame (starts ");
-        put_repr(why, b, 4);
+        put_repr(why, b, head);
         put(why, ")");
         return -1;
     }
+    if (have < HEADER_BYTES) return 0;
     uint64_t body = ((uint64_t)b[4] << 24) | ((uint64_t)b[5] << 16) | ((uint64_t)b[6] << 8) | b[7];
     uint64_t meta = ((uint64_t)b[8] << 24) | ((uint64_t)b[9] << 16) | ((uint64_t)b[10] << 8) | b[11];
     if (body > cfg.max_frame) {
@@ -406,6 +398,15 @@ static void put_key(Text *t, const Push *p) {
     put_repr(t, p->key, p->key_len < 80 ? p->key_len : 80);
 }
 
+/* "<what> <size> bytes, over the cap of <cap> (...)": a message or a chunked one's length. */
+static void put_over_cap(Text *t, const char *what, uint64_t size, uint64_t cap) {
+    put(t, "%s", what);
+    put_count(t, size);
+    put(t, " bytes, over the cap of ");
+    put_count(t, cap);
+    put(t, " (the largest the job's programs receive)");
+}
+
 /* front.check_push for a frame from `peer` (max_unread = 0); takes `lock` for the ledger. */
 static int check_push(const Push *p, Peer *peer, Text *why) {
     uint64_t bound = peer->rank, mine = cfg.rank, src, dst;
@@ -464,23 +465,12 @@ static int check_push(const Push *p, Peer *peer, Text *why) {
     uint64_t cap = max_message;
     int failed = -1;
     if (!p->chunked) {
-        if (p->chunk_bytes > cap) {
-            put(why, "a message of ");
-            put_count(why, p->chunk_bytes);
-            put(why, " bytes, over the cap of ");
-            put_count(why, cap);
-            put(why, " (the largest the job's programs receive)");
-            goto done;
-        }
-        failed = 0;
+        if (p->chunk_bytes > cap) put_over_cap(why, "a message of ", p->chunk_bytes, cap);
+        else failed = 0;
         goto done;
     }
     if (p->length > cap) {
-        put(why, "a chunked message declaring ");
-        put_count(why, p->length);
-        put(why, " bytes, over the cap of ");
-        put_count(why, cap);
-        put(why, " (the largest the job's programs receive)");
+        put_over_cap(why, "a chunked message declaring ", p->length, cap);
         goto done;
     }
     if (p->offset > p->length || p->chunk_bytes > p->length - p->offset) {

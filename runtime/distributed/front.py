@@ -940,6 +940,19 @@ def fast_front_source_hash() -> str:
     return hashlib.sha256(FAST_FRONT_SOURCE.read_bytes()).hexdigest()
 
 
+def _installed_fast_front() -> pathlib.Path:
+    """Where scripts/setup.sh builds the front in C: beside this venv's python."""
+    return pathlib.Path(sys.prefix) / "bin" / FAST_FRONT_NAME
+
+
+def _built_from(binary: pathlib.Path) -> str | None:
+    """The source hash `binary` was built from (its .sha256 beside it), None if unknown."""
+    try:
+        return pathlib.Path(f"{binary}.sha256").read_text().strip()
+    except OSError:
+        return None
+
+
 def build_fast_front(binary: pathlib.Path) -> str | None:
     """Compile fast_front.c into `binary` (cc, OpenSSL's libcrypto), and beside it
     `binary`.sha256 naming the source it was built from -> None, or why it could not."""
@@ -955,8 +968,10 @@ def build_fast_front(binary: pathlib.Path) -> str | None:
         except OSError as err:
             return f"no C compiler ({err.strerror})"
         if made.returncode != 0:
-            return "cc failed (OpenSSL's headers, Debian's libssl-dev?): " + \
-                made.stderr.strip().splitlines()[-1][:300] if made.stderr.strip() else "cc failed"
+            last = made.stderr.strip().splitlines()[-1:]
+            if not last:
+                return "cc failed"
+            return "cc failed (OpenSSL's headers, Debian's libssl-dev?): " + last[0][:300]
         built.replace(binary)
     pathlib.Path(f"{binary}.sha256").write_text(fast_front_source_hash() + "\n")
     return None
@@ -977,10 +992,9 @@ def fast_front_binary(spec: FrontSpec) -> pathlib.Path | None:
         ipaddress.ip_address(spec.listen_host)
     except ValueError:
         return None
-    binary = pathlib.Path(choice) if choice else pathlib.Path(sys.prefix) / "bin" / FAST_FRONT_NAME
-    try:
-        built_from = pathlib.Path(f"{binary}.sha256").read_text().strip()
-    except OSError:
+    binary = pathlib.Path(choice) if choice else _installed_fast_front()
+    built_from = _built_from(binary)
+    if built_from is None:
         if choice:
             print(f"[party {spec.party}] front: {FAST_FRONT_ENV}={choice} has no .sha256 beside "
                   "it (build it with front.build_fast_front); running front.py",
@@ -1024,12 +1038,9 @@ def install_fast_front() -> str:
     """Build fast_front.c beside this venv's python unless the build there is of this source
     (scripts/setup.sh: `python runtime/distributed/front.py --build-fast-front`) -> what
     happened, one line."""
-    binary = pathlib.Path(sys.prefix) / "bin" / FAST_FRONT_NAME
-    try:
-        if pathlib.Path(f"{binary}.sha256").read_text().strip() == fast_front_source_hash():
-            return f"the parties' front in C is up to date ({binary})"
-    except OSError:
-        pass
+    binary = _installed_fast_front()
+    if _built_from(binary) == fast_front_source_hash():
+        return f"the parties' front in C is up to date ({binary})"
     why = build_fast_front(binary)
     if why:
         return (f"the parties' front in C was not built ({why}); every party runs front.py: the "
