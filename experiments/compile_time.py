@@ -1,6 +1,7 @@
-"""How long XLA takes to compile a model's whole-prompt forward (every decoder layer, the
-prefill's attention included) at given prompt lengths, with abstract weights (no checkpoint
-is loaded and nothing runs). Results: docs/models.md (Gemma at 32768 tokens).
+"""How long XLA takes to compile a model's prefill (every decoder layer, the blocked causal
+attention included, filling the KV cache) at given prompt lengths, with abstract weights (no
+checkpoint is loaded and nothing runs). Results: docs/models.md (Gemma at 32768 tokens),
+docs/results.md (compile once).
 
     python -m experiments.compile_time [--model=gemma3-270m] [--lengths=8192,16384,32768]
 
@@ -14,17 +15,21 @@ import time
 
 
 def compile_seconds(model_name: str, length: int) -> tuple[float, float]:
-    """(trace + lower, compile) seconds of `model_name`'s forward over `length` tokens."""
+    """(trace + lower, compile) seconds of `model_name`'s prefill of `length` tokens (the
+    program `Model.prefill` runs; with the persistent compilation cache on, a second process
+    reads it from there)."""
     import jax
     import jax.numpy as jnp
     from models.catalog import get_config
-    from models.model import Model
+    from models.model import Model, _prefill
     model = Model(get_config(model_name))
-    module = model.module
-    forward = jax.jit(lambda params, tokens: module.apply(
-        {"params": params}, tokens, method=type(module).forward_hidden))
+    shapes = lambda tree: jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    cache = jax.eval_shape(lambda: model.init_cache(length))
     start = time.perf_counter()
-    lowered = forward.lower(model.param_shapes(), jax.ShapeDtypeStruct((length,), jnp.int32))
+    lowered = _prefill.lower(model, model.param_shapes(),
+                             jax.ShapeDtypeStruct((length,), jnp.int32), shapes(cache), False,
+                             False)
     traced = time.perf_counter() - start
     lowered.compile()
     return traced, time.perf_counter() - start - traced

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpcache_jax.cache import (KVCache, SplitCache, empty_cache, empty_window, model_layers,
-                               policy_layers)
+from mpcache_jax.cache import (KVCache, LayerStack, SplitCache, empty_cache, empty_window,
+                               model_layers, policy_layers)
 from mpcache_jax.policy import FULL, AttentionPolicy, PrefillAux
+from models import transformer
 from models.config import ModelConfig
-from models.transformer import DecoderLM
 
 
 # ----- the model functions (pure; `Model` jits them, runtime.programs compiles them per backend) ---
@@ -32,19 +32,25 @@ def dense_prefill(model: "Model", params, tokens, cache, return_queries: bool,
                   all_logits: bool = False, length=None):
     """(logits [V] or [T, V], dense cache, per-layer queries or None). tokens: ids [T] or
     one-hot [T, V]; length: real tokens of a bucketed prompt (runtime), default T."""
-    return model.module.apply({"params": params}, tokens, cache, return_queries, all_logits,
-                              length, method=DecoderLM.prefill)
+    return transformer.prefill(model.cfg, params, tokens, cache, return_queries, all_logits,
+                               length)
 
 
-def decode_logits(model: "Model", policy: AttentionPolicy, params, token, pos, cache):
-    """One decode step -> (logits [V], cache). token: id [] or one-hot [V]; pos: public."""
-    return model.module.apply({"params": params}, token, pos, cache, policy,
-                              method=DecoderLM.decode)
+def decode_logits(model: "Model", policy: AttentionPolicy, params, token, pos, cache,
+                  min_rows: int = 1):
+    """One decode step -> (logits [V], cache). token: id [] or one-hot [V]; pos: public.
+    min_rows: see `transformer.dense` (plaintext XLA decoding passes 2)."""
+    return transformer.decode(model.cfg, params, token, pos, cache, policy, min_rows)
+
+
+# One-row products on XLA (`transformer.dense`): the plaintext decode step computes its
+# projections on two rows.
+XLA_MIN_ROWS = 2
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def _forward(model, params, tokens):
-    return model.module.apply({"params": params}, tokens)
+    return transformer.forward(model.cfg, params, tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "return_queries", "all_logits"))
@@ -54,7 +60,7 @@ def _prefill(model, params, tokens, cache, return_queries, all_logits, length=No
 
 @functools.partial(jax.jit, static_argnames=("model", "policy"), donate_argnames=("cache",))
 def _decode(model, params, token, pos, cache, policy):
-    return decode_logits(model, policy, params, token, pos, cache)
+    return decode_logits(model, policy, params, token, pos, cache, XLA_MIN_ROWS)
 
 
 def tie_lm_head(params: dict) -> dict:
@@ -69,34 +75,27 @@ def tie_lm_head(params: dict) -> dict:
 class Model:
     cfg: ModelConfig
 
-    @property
-    def module(self) -> DecoderLM:
-        return DecoderLM(self.cfg)
-
     # ----- construction -------------------------------------------------------------------
     def init_params(self, seed: int = 0) -> dict:
         """Random parameters (normal(0.02) kernels, unit norms), LM head tied if configured."""
-        params = jax.jit(self.module.init)(jax.random.PRNGKey(seed),
-                                           jnp.zeros((1,), jnp.int32))["params"]
-        params = dict(params)
+        params = jax.jit(transformer.init_params, static_argnums=(0, 1))(self.cfg, seed)
         return tie_lm_head(params) if self.cfg.tie_embeddings else params
 
     def param_shapes(self) -> dict:
         """ShapeDtypeStruct tree of init_params' (what a party without the weights knows)."""
-        shapes = dict(jax.eval_shape(self.module.init, jax.random.PRNGKey(0),
-                                     jnp.zeros((1,), jnp.int32))["params"])
-        if self.cfg.tie_embeddings:
-            shapes["lm_head"] = {"kernel": jax.ShapeDtypeStruct(
-                (self.cfg.hidden_size, self.cfg.vocab_size), jnp.float32)}
-        return shapes
+        return jax.tree_util.tree_map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32),
+                                      transformer.param_shapes(self.cfg),
+                                      is_leaf=lambda x: isinstance(x, tuple))
 
-    def init_cache(self, capacity: int, dtype=jnp.float32) -> KVCache:
-        """An empty cache for `capacity` tokens: one LayerKV per layer, or, for a model with
-        sliding-window layers, a SplitCache (a LayerKV per global layer, a WindowKV ring buffer
-        of min(window, capacity) slots per local layer)."""
+    def init_cache(self, capacity: int, dtype=jnp.float32, stacked: bool = False) -> KVCache:
+        """An empty cache for `capacity` tokens: one LayerKV per layer (a tuple; `stacked`: a
+        LayerStack, whose decode steps run the layers as one loop: `transformer.decode_hidden`),
+        or, for a model with sliding-window layers, a SplitCache (a LayerKV per global layer, a
+        WindowKV ring buffer of min(window, capacity) slots per local layer)."""
         c = self.cfg
         if not c.has_local_layers:
-            return empty_cache(c.num_layers, c.num_kv_heads, capacity, c.head_dim, dtype)
+            layers = empty_cache(c.num_layers, c.num_kv_heads, capacity, c.head_dim, dtype)
+            return LayerStack.of(layers) if stacked else layers
         full = empty_cache(1, c.num_kv_heads, capacity, c.head_dim, dtype)[0]
         states = [empty_window(c.num_kv_heads, c.sliding_window, capacity, c.head_dim, dtype)
                   if local else full for local in c.local_layers]
@@ -147,13 +146,14 @@ class Model:
             if not min_length <= int(length) <= T:
                 raise ValueError(f"length={length} must lie in [min_length={min_length}, {T}] "
                                  "(the prompt's real tokens within its bucket)")
-        layers = model_layers(cache)
-        if len(layers) != self.cfg.num_layers:
-            raise ValueError(f"cache has {len(layers)} layers, the model has {self.cfg.num_layers}")
-        capacity = policy_layers(cache)[0].capacity
-        if int(layers[0].length) != 0:
+        count = len(cache.local) if isinstance(cache, SplitCache) else len(cache)
+        if count != self.cfg.num_layers:
+            raise ValueError(f"cache has {count} layers, the model has {self.cfg.num_layers}")
+        first = policy_layers(cache)[0]
+        capacity = first.capacity
+        if int(first.length) != 0:
             raise ValueError("prefill needs an empty cache (model.init_cache); this one already "
-                             f"holds {int(layers[0].length)} tokens")
+                             f"holds {int(first.length)} tokens")
         if T > capacity:
             raise ValueError(f"prompt of {T} tokens is longer than the cache capacity {capacity}; "
                              "create the cache with capacity >= prompt length + new tokens")

@@ -1,11 +1,12 @@
-"""Decoder-only transformers (LLaMA family and GPT-2) as Flax linen modules.
+"""Decoder-only transformers (LLaMA family and GPT-2) as pure functions of a parameter pytree.
 
-The modules are stateless: parameters are an explicit pytree and the KV cache is passed in
-and returned. Layers are separate submodules (`layers_0`, `layers_1`, ...) rather than one
-stacked, scanned block: on XLA:CPU slicing stacked weights inside jit copies them (4-5x
-slower decode).
+Parameters and the KV cache are explicit pytrees, passed in and returned. The decoder layers run
+as one loop (`lax.scan`) over their parameters stacked on a leading axis when every layer has
+the same shape and kind, so a model compiles one layer instead of one copy per layer; a model
+with sliding-window layers (Gemma 3), or a cache whose layers differ in shape (per-layer
+budgets), runs them one after another.
 
-Parameter tree (both architectures):
+Parameter tree (both architectures; `init_params`):
   embed/embedding [V, D]            pos_embed/embedding [P, D] (gpt2)
   layers_i/input_norm/{scale[, bias]}  layers_i/post_norm/{scale[, bias]}
   llama: layers_i/{q,k,v,o}_proj/kernel, layers_i/{gate,up,down}_proj/kernel
@@ -14,24 +15,26 @@ Parameter tree (both architectures):
   gpt2:  layers_i/qkv_proj/{kernel,bias}, layers_i/o_proj/{kernel,bias},
          layers_i/fc_in/{kernel,bias}, layers_i/fc_out/{kernel,bias}
   final_norm/{scale[, bias]}        lm_head/kernel [D, V] (a contiguous copy of embed.T when tied)
-Kernels are (in_features, out_features).
+Kernels are (in_features, out_features). `stack_layers` turns the `layers_i` entries into one
+`layers` entry whose leaves have a leading layer axis (what the layer loop reads; the model
+functions take either form and stack inside the program when given `layers_i`).
 """
 from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mpcache_jax import attention
-from mpcache_jax.cache import SplitCache, fill_prefix, fill_window, model_layers, window_append
+from mpcache_jax.cache import LayerStack, SplitCache, fill_prefix, fill_window, model_layers, window_append
 from mpcache_jax.policy import AttentionPolicy
 from models.config import ModelConfig
 
-_INIT = nn.initializers.normal(stddev=0.02)
+INIT_STDDEV = 0.02
 
 
 # RMSNorm under fixed point (SPU, FM64 with 18 fraction bits): x * x overflows the ring once
@@ -57,27 +60,38 @@ def rms_scale(x: jax.Array, eps: float) -> jax.Array:
     return jnp.where(large, scale * shift ** 0.5, scale)
 
 
-class RMSNorm(nn.Module):
-    eps: float
-
-    @nn.compact
-    def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-        x32 = x.astype(jnp.float32)
-        return x32 * rms_scale(x32, self.eps) * scale
+def rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis; p: {"scale": [D]}."""
+    x32 = x.astype(jnp.float32)
+    return x32 * rms_scale(x32, eps) * p["scale"]
 
 
-class LayerNorm(nn.Module):
-    eps: float
+def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis; p: {"scale": [D], "bias": [D]}."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+    return centered * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
 
-    @nn.compact
-    def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],))
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        centered = x - mean
-        var = jnp.mean(centered * centered, axis=-1, keepdims=True)
-        return centered * jax.lax.rsqrt(var + self.eps) * scale + bias
+
+def dense(p: dict, x: jax.Array, min_rows: int = 1) -> jax.Array:
+    """x [..., in] @ p["kernel"] [in, out] (+ p["bias"]).
+
+    min_rows: a product of fewer rows is computed on that many (zero rows appended, then
+    dropped). XLA:CPU emits a one-row product whose weights are sliced out of the stacked
+    layers inside the layer loop as an unvectorised loop (6x slower decode); two rows make it
+    a matrix product. Plaintext XLA decoding passes 2; secure programs keep 1 (a padded row
+    would be computed under MPC too)."""
+    rows = x.reshape(-1, x.shape[-1])
+    pad = min_rows - rows.shape[0]
+    if pad > 0:
+        rows = jnp.concatenate([rows, jnp.zeros((pad, rows.shape[1]), rows.dtype)], axis=0)
+    out = jax.lax.dot_general(rows, p["kernel"], (((1,), (0,)), ((), ())))
+    if pad > 0:
+        out = out[:out.shape[0] - pad]
+    if "bias" in p:
+        out = out + p["bias"]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _exact_activation(name: str):
@@ -186,217 +200,345 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[None] + rotated * sin[None]
 
 
-class LlamaBlock(nn.Module):
-    """LLaMA block and, through the config's switches, Gemma 3's: `local` (a sliding-window
-    layer: its RoPE base is rope_local_theta), qk_norm (q_norm/k_norm over head_dim before
-    RoPE), sandwich_norms (attn_out_norm / mlp_out_norm on the attention and MLP outputs
-    before the residual adds; post_norm stays the pre-MLP norm) and query_pre_attn_scalar."""
-
-    cfg: ModelConfig
-    local: bool = False
-
-    def setup(self):
-        c = self.cfg
-        dense = lambda n, name: nn.Dense(n, use_bias=False, kernel_init=_INIT, name=name)
-        self.input_norm = RMSNorm(c.norm_eps)
-        self.post_norm = RMSNorm(c.norm_eps)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.norm_eps)
-            self.k_norm = RMSNorm(c.norm_eps)
-        if c.sandwich_norms:
-            self.attn_out_norm = RMSNorm(c.norm_eps)
-            self.mlp_out_norm = RMSNorm(c.norm_eps)
-        self.q_proj = dense(c.num_heads * c.head_dim, "q_proj")
-        self.k_proj = dense(c.num_kv_heads * c.head_dim, "k_proj")
-        self.v_proj = dense(c.num_kv_heads * c.head_dim, "v_proj")
-        self.o_proj = dense(c.hidden_size, "o_proj")
-        self.gate_proj = dense(c.intermediate_size, "gate_proj")
-        self.up_proj = dense(c.intermediate_size, "up_proj")
-        self.down_proj = dense(c.hidden_size, "down_proj")
-
-    def qkv(self, x, positions):
-        """x: [T, D] -> q [H, T, d], k [H_kv, T, d], v [H_kv, T, d] (RoPE applied)."""
-        c = self.cfg
-        h = self.input_norm(x)
-        T = x.shape[0]
-        q = self.q_proj(h).reshape(T, c.num_heads, c.head_dim)
-        k = self.k_proj(h).reshape(T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 0, 2), k.transpose(1, 0, 2)
-        v = self.v_proj(h).reshape(T, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
-        theta = c.rope_local_theta if self.local and c.rope_local_theta else c.rope_theta
-        cos, sin = rope_tables(positions, c.head_dim, theta)
-        q = apply_rope(q, cos, sin)
-        if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
-            # The attention kernels scale q . k by 1 / sqrt(head_dim); the model wants
-            # 1 / sqrt(query_pre_attn_scalar).
-            q = q * math.sqrt(c.head_dim / c.query_pre_attn_scalar)
-        return q, apply_rope(k, cos, sin), v
-
-    def finish(self, x, attn):
-        """x: [T, D] residual stream; attn: [H, T, d] attention output -> block output [T, D]."""
-        T = x.shape[0]
-        out = self.o_proj(attn.transpose(1, 0, 2).reshape(T, -1))
-        x = x + (self.attn_out_norm(out) if self.cfg.sandwich_norms else out)
-        h = self.post_norm(x)
-        act = activation_fn(self.cfg.activation, self.cfg.activation_impl)
-        out = self.down_proj(act(self.gate_proj(h)) * self.up_proj(h))
-        return x + (self.mlp_out_norm(out) if self.cfg.sandwich_norms else out)
+# ----- blocks -----------------------------------------------------------------------------------
+def _norm(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
+    return layer_norm(p, x, cfg.norm_eps) if cfg.arch == "gpt2" else rms_norm(p, x, cfg.norm_eps)
 
 
-class GPT2Block(nn.Module):
-    cfg: ModelConfig
+def block_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array, local,
+              min_rows: int = 1):
+    """One layer's attention inputs. x: [T, D] -> q [H, T, d], k [H_kv, T, d], v [H_kv, T, d]
+    (RoPE applied; GPT-2 adds learned positions to the embeddings instead).
 
-    def setup(self):
-        c = self.cfg
-        dense = lambda n, name: nn.Dense(n, use_bias=True, kernel_init=_INIT, name=name)
-        self.input_norm = LayerNorm(c.norm_eps)
-        self.post_norm = LayerNorm(c.norm_eps)
-        self.qkv_proj = dense(3 * c.hidden_size, "qkv_proj")
-        self.o_proj = dense(c.hidden_size, "o_proj")
-        self.fc_in = dense(c.intermediate_size, "fc_in")
-        self.fc_out = dense(c.hidden_size, "fc_out")
-
-    def qkv(self, x, positions):
-        del positions  # GPT-2 adds learned position embeddings to the input instead
-        c = self.cfg
-        T = x.shape[0]
-        fused = self.qkv_proj(self.input_norm(x)).reshape(T, 3, c.num_heads, c.head_dim)
+    LLaMA and, through the config's switches, Gemma 3: `local` (a sliding-window layer: its
+    RoPE base is rope_local_theta; a bool, or a traced one inside the layer loop), qk_norm
+    (q_norm/k_norm over head_dim before RoPE) and query_pre_attn_scalar."""
+    c = cfg
+    T = x.shape[0]
+    if c.arch == "gpt2":
+        fused = dense(p["qkv_proj"], layer_norm(p["input_norm"], x, c.norm_eps), min_rows)
+        fused = fused.reshape(T, 3, c.num_heads, c.head_dim)
         q, k, v = (fused[:, i].transpose(1, 0, 2) for i in range(3))
         return q, k, v
-
-    def finish(self, x, attn):
-        T = x.shape[0]
-        x = x + self.o_proj(attn.transpose(1, 0, 2).reshape(T, -1))
-        act = activation_fn(self.cfg.activation, self.cfg.activation_impl)
-        return x + self.fc_out(act(self.fc_in(self.post_norm(x))))
-
-
-class DecoderLM(nn.Module):
-    """Token embedding -> blocks -> final norm -> LM head, with prefill and decode entry points."""
-
-    cfg: ModelConfig
-
-    def setup(self):
-        c = self.cfg
-        self.embed = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_INIT)
-        if c.arch == "gpt2":
-            self.pos_embed = nn.Embed(c.max_position, c.hidden_size, embedding_init=_INIT)
-            self.final_norm = LayerNorm(c.norm_eps)
-            block = GPT2Block
+    h = rms_norm(p["input_norm"], x, c.norm_eps)
+    q = dense(p["q_proj"], h, min_rows).reshape(T, c.num_heads, c.head_dim)
+    k = dense(p["k_proj"], h, min_rows).reshape(T, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q, k = rms_norm(p["q_norm"], q, c.norm_eps), rms_norm(p["k_norm"], k, c.norm_eps)
+    q, k = q.transpose(1, 0, 2), k.transpose(1, 0, 2)
+    v = dense(p["v_proj"], h, min_rows).reshape(T, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
+    cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+    if c.rope_local_theta:
+        cos_l, sin_l = rope_tables(positions, c.head_dim, c.rope_local_theta)
+        if isinstance(local, (bool, np.bool_)):
+            cos, sin = (cos_l, sin_l) if local else (cos, sin)
         else:
-            self.final_norm = RMSNorm(c.norm_eps)
-            block = LlamaBlock
-        if c.has_local_layers:
-            self.layers = [block(c, local) for local in c.local_layers]
+            cos, sin = jnp.where(local, cos_l, cos), jnp.where(local, sin_l, sin)
+    q = apply_rope(q, cos, sin)
+    if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
+        # The attention kernels scale q . k by 1 / sqrt(head_dim); the model wants
+        # 1 / sqrt(query_pre_attn_scalar).
+        q = q * math.sqrt(c.head_dim / c.query_pre_attn_scalar)
+    return q, apply_rope(k, cos, sin), v
+
+
+def block_finish(cfg: ModelConfig, p: dict, x: jax.Array, attn: jax.Array,
+                 min_rows: int = 1) -> jax.Array:
+    """x: [T, D] residual stream; attn: [H, T, d] attention output -> block output [T, D].
+    LLaMA: o_proj, (attn_out_norm), residual, post_norm, gated MLP, (mlp_out_norm), residual;
+    GPT-2: o_proj, residual, post_norm, MLP, residual."""
+    c = cfg
+    T = x.shape[0]
+    out = dense(p["o_proj"], attn.transpose(1, 0, 2).reshape(T, -1), min_rows)
+    act = activation_fn(c.activation, c.activation_impl)
+    if c.arch == "gpt2":
+        x = x + out
+        h = layer_norm(p["post_norm"], x, c.norm_eps)
+        return x + dense(p["fc_out"], act(dense(p["fc_in"], h, min_rows)), min_rows)
+    x = x + (rms_norm(p["attn_out_norm"], out, c.norm_eps) if c.sandwich_norms else out)
+    h = rms_norm(p["post_norm"], x, c.norm_eps)
+    out = dense(p["down_proj"], act(dense(p["gate_proj"], h, min_rows)) *
+                dense(p["up_proj"], h, min_rows), min_rows)
+    return x + (rms_norm(p["mlp_out_norm"], out, c.norm_eps) if c.sandwich_norms else out)
+
+
+# ----- parameters ---------------------------------------------------------------------------------
+def _layer_shapes(cfg: ModelConfig) -> dict:
+    c, D = cfg, cfg.hidden_size
+    if c.arch == "gpt2":
+        norm = lambda: {"scale": (D,), "bias": (D,)}
+        lin = lambda i, o: {"kernel": (i, o), "bias": (o,)}
+        return {"input_norm": norm(), "post_norm": norm(), "qkv_proj": lin(D, 3 * D),
+                "o_proj": lin(D, D), "fc_in": lin(D, c.intermediate_size),
+                "fc_out": lin(c.intermediate_size, D)}
+    lin = lambda i, o: {"kernel": (i, o)}
+    out = {"input_norm": {"scale": (D,)}, "post_norm": {"scale": (D,)},
+           "q_proj": lin(D, c.num_heads * c.head_dim), "k_proj": lin(D, c.num_kv_heads * c.head_dim),
+           "v_proj": lin(D, c.num_kv_heads * c.head_dim), "o_proj": lin(c.num_heads * c.head_dim, D),
+           "gate_proj": lin(D, c.intermediate_size), "up_proj": lin(D, c.intermediate_size),
+           "down_proj": lin(c.intermediate_size, D)}
+    if c.qk_norm:
+        out["q_norm"] = {"scale": (c.head_dim,)}
+        out["k_norm"] = {"scale": (c.head_dim,)}
+    if c.sandwich_norms:
+        out["attn_out_norm"] = {"scale": (D,)}
+        out["mlp_out_norm"] = {"scale": (D,)}
+    return out
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """{path: shape} tree of the parameters (`layers_i` form; lm_head untied and tied alike)."""
+    D = cfg.hidden_size
+    shapes = {"embed": {"embedding": (cfg.vocab_size, D)}}
+    if cfg.arch == "gpt2":
+        shapes["pos_embed"] = {"embedding": (cfg.max_position, D)}
+    for i in range(cfg.num_layers):
+        shapes[f"layers_{i}"] = _layer_shapes(cfg)
+    shapes["final_norm"] = {"scale": (D,), "bias": (D,)} if cfg.arch == "gpt2" else {"scale": (D,)}
+    shapes["lm_head"] = {"kernel": (D, cfg.vocab_size)}
+    return shapes
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """Random parameters: normal(0.02) kernels and embeddings, unit norm scales, zero biases
+    (`layers_i` form; a tied model's lm_head is filled in by `models.model.tie_lm_head`)."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda s: isinstance(s, tuple))
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    out = []
+    for (path, shape), key in zip(leaves, keys):
+        name = path[-1].key
+        if name == "scale":
+            out.append(jnp.ones(shape, jnp.float32))
+        elif name == "bias":
+            out.append(jnp.zeros(shape, jnp.float32))
         else:
-            self.layers = [block(c) for _ in range(c.num_layers)]
-        self.lm_head = nn.Dense(c.vocab_size, use_bias=False, kernel_init=_INIT)
+            out.append(INIT_STDDEV * jax.random.normal(key, shape, jnp.float32))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
-    def _embed(self, tokens, positions):
-        """tokens: int ids [T], or one-hot rows [T, V] (float; MPC: a secret token becomes a
-        one-hot matmul instead of a secret-index gather)."""
-        if jnp.issubdtype(tokens.dtype, jnp.floating):
-            x = tokens @ self.embed.embedding.astype(tokens.dtype)
-        else:
-            x = self.embed(tokens).astype(jnp.float32)
-        if self.cfg.arch == "gpt2":
-            x = x + self.pos_embed(positions)
-        if self.cfg.scale_embeddings:
-            x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), x.dtype)
-        return x
 
-    def _prompt_attention(self, index, q, k, v):
-        """Causal attention of layer `index` over a whole sequence (its window if local)."""
-        return attention.causal_attention(q, k, v, attention.PREFILL_BLOCK,
-                                          window=self.cfg.window_of(index))
+def stack_layers(params: dict) -> dict:
+    """`layers_i` entries -> one `layers` entry with the layers on a leading axis (works on
+    arrays, on traced values and on ShapeDtypeStructs); a stacked tree is returned as it is."""
+    if "layers" in params:
+        return params
+    count = sum(1 for name in params if name.startswith("layers_"))
+    per_layer = [params[f"layers_{i}"] for i in range(count)]
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(per_layer[0])):
+        stacked = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct((count,) + tuple(x.shape), x.dtype), per_layer[0])
+    elif all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(per_layer)):
+        stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *per_layer)
+    else:
+        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per_layer)
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    out["layers"] = stacked
+    return out
 
-    def _residual_stream(self, tokens):
-        """Every decoder layer over the whole sequence, no cache -> residual stream [T, D]."""
-        positions = jnp.arange(tokens.shape[0])
-        x = self._embed(tokens, positions)
-        for index, block in enumerate(self.layers):
-            q, k, v = block.qkv(x, positions)
-            x = block.finish(x, self._prompt_attention(index, q, k, v))
-        return x
 
-    def __call__(self, tokens):
-        """Whole-sequence forward without a cache. tokens: [T] (or one-hot [T, V]) -> logits [T, V]."""
-        return self.lm_head(self.final_norm(self._residual_stream(tokens)))
+def unstack_layers(params: dict) -> dict:
+    """The inverse of `stack_layers`: one `layers_i` entry per layer."""
+    if "layers" not in params:
+        return params
+    count = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(count):
+        out[f"layers_{i}"] = jax.tree_util.tree_map(lambda x: x[i], params["layers"])
+    return out
 
-    def forward_hidden(self, tokens):
-        """Whole-sequence forward through the decoder layers without a cache -> residual stream
-        of the last position [1, D] (the no-KV-cache decode step of cost runs)."""
-        return self._residual_stream(tokens)[-1:]
 
-    def _pack(self, states):
-        """Per-layer states (model order) -> the cache pytree: a tuple, or a SplitCache when
-        the model has local layers."""
-        if self.cfg.has_local_layers:
-            return SplitCache.from_layers(states, self.cfg.local_layers)
-        return tuple(states)
+def layer_params(params: dict, index: int) -> dict:
+    """One layer's parameters from either form."""
+    if "layers" in params:
+        return jax.tree_util.tree_map(lambda x: x[index], params["layers"])
+    return params[f"layers_{index}"]
 
-    def prefill(self, tokens, cache, return_queries: bool, all_logits: bool, length=None):
-        """tokens: [T] (or one-hot [T, V]); cache: model.init_cache of capacity >= T (empty):
-        per-layer LayerKV, or a SplitCache (global layers' LayerKV, local layers' WindowKV).
-        length: int32 [] number of real tokens when `tokens` is a prompt padded at the end to a
-        bucket of T (causal attention: the padding never reaches them); default T.
 
-        Returns (logits [T, V] or [V] (of token length - 1), filled cache, queries [H, T, d]
-        of the global (evicting) layers or None).
-        """
-        positions = jnp.arange(tokens.shape[0])
-        x = self._embed(tokens, positions)
-        new_cache, queries = [], []
-        for index, (block, layer) in enumerate(zip(self.layers, model_layers(cache))):
-            q, k, v = block.qkv(x, positions)
-            x = block.finish(x, self._prompt_attention(index, q, k, v))
-            if self.cfg.local_layers[index]:
-                new_cache.append(fill_window(layer, k, v, length))
+# ----- the model -------------------------------------------------------------------------------------
+def scans_layers(cfg: ModelConfig) -> bool:
+    """Whether the model's layers run as one loop: every layer of one kind (no sliding-window
+    layers beside global ones)."""
+    return not cfg.has_local_layers
+
+
+def embed(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """tokens: int ids [T], or one-hot rows [T, V] (float; MPC: a secret token becomes a
+    one-hot matmul instead of a secret-index gather) -> [T, D]."""
+    table = params["embed"]["embedding"]
+    if jnp.issubdtype(tokens.dtype, jnp.floating):
+        x = tokens @ table.astype(tokens.dtype)
+    else:
+        x = jnp.take(table, tokens, axis=0).astype(jnp.float32)
+    if cfg.arch == "gpt2":
+        x = x + jnp.take(params["pos_embed"]["embedding"], positions, axis=0)
+    if cfg.scale_embeddings:
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+    return x
+
+
+def lm_logits(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
+    """Final norm + LM head of a residual stream [T, D] -> logits [T, V]."""
+    return dense(params["lm_head"], _norm(cfg, params["final_norm"], x))
+
+
+def _prompt_attention(cfg: ModelConfig, index: int | None, q, k, v):
+    """Causal attention of a layer over a whole sequence (its window if local)."""
+    window = None if index is None else cfg.window_of(index)
+    return attention.causal_attention(q, k, v, attention.PREFILL_BLOCK, window=window)
+
+
+def residual_stream(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """Every decoder layer over the whole sequence, no cache -> residual stream [T, D]."""
+    positions = jnp.arange(tokens.shape[0])
+    x = embed(cfg, params, tokens, positions)
+    if scans_layers(cfg):
+        def body(x, p):
+            q, k, v = block_qkv(cfg, p, x, positions, False)
+            return block_finish(cfg, p, x, _prompt_attention(cfg, None, q, k, v)), None
+        return jax.lax.scan(body, x, stack_layers(params)["layers"])[0]
+    for index in range(cfg.num_layers):
+        p = layer_params(params, index)
+        q, k, v = block_qkv(cfg, p, x, positions, cfg.local_layers[index])
+        x = block_finish(cfg, p, x, _prompt_attention(cfg, index, q, k, v))
+    return x
+
+
+def forward(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """Whole-sequence forward without a cache. tokens: [T] (or one-hot [T, V]) -> logits [T, V]."""
+    return lm_logits(cfg, params, residual_stream(cfg, params, tokens))
+
+
+def forward_hidden(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """Whole-sequence forward through the decoder layers without a cache -> residual stream
+    of the last position [1, D] (the no-KV-cache decode step of cost runs)."""
+    return residual_stream(cfg, params, tokens)[-1:]
+
+
+def _pack(cfg: ModelConfig, states):
+    """Per-layer states (model order) -> the cache pytree: a tuple, or a SplitCache when the
+    model has local layers."""
+    if cfg.has_local_layers:
+        return SplitCache.from_layers(states, cfg.local_layers)
+    return tuple(states)
+
+
+def prefill(cfg: ModelConfig, params: dict, tokens, cache, return_queries: bool,
+            all_logits: bool, length=None):
+    """tokens: [T] (or one-hot [T, V]); cache: an empty cache of capacity >= T (`init_cache`):
+    a LayerStack or tuple of LayerKV, or a SplitCache (global layers' LayerKV, local layers'
+    WindowKV). length: int32 [] number of real tokens when `tokens` is a prompt padded at the
+    end to a bucket of T (causal attention: the padding never reaches them); default T.
+
+    Returns (logits [T, V] or [V] (of token length - 1), filled cache of the same form,
+    queries of the global (evicting) layers ([L, H, T, d] stacked, or a tuple of [H, T, d])
+    or None)."""
+    positions = jnp.arange(tokens.shape[0])
+    x = embed(cfg, params, tokens, positions)
+    if scans_layers(cfg):
+        stacked = cache.stacked if isinstance(cache, LayerStack) else LayerStack.of(cache).stacked
+
+        def body(x, inputs):
+            p, layer = inputs
+            q, k, v = block_qkv(cfg, p, x, positions, False)
+            x = block_finish(cfg, p, x, _prompt_attention(cfg, None, q, k, v))
+            return x, (fill_prefix(layer, k, v, length), q if return_queries else None)
+        x, (filled, queries) = jax.lax.scan(body, x, (stack_layers(params)["layers"], stacked))
+        new_cache = LayerStack(filled)
+        if not isinstance(cache, LayerStack):
+            new_cache = tuple(new_cache)
+    else:
+        states, queries = [], []
+        for index, layer in enumerate(model_layers(cache)):
+            p = layer_params(params, index)
+            local = cfg.local_layers[index]
+            q, k, v = block_qkv(cfg, p, x, positions, local)
+            x = block_finish(cfg, p, x, _prompt_attention(cfg, index, q, k, v))
+            if local:
+                states.append(fill_window(layer, k, v, length))
             else:
-                new_cache.append(fill_prefix(layer, k, v, length))
+                states.append(fill_prefix(layer, k, v, length))
                 queries.append(q)
-        last = x[-1:] if length is None else jax.lax.dynamic_slice_in_dim(x, length - 1, 1)
-        h = self.final_norm(x if all_logits else last)
-        logits = self.lm_head(h)
-        return (logits if all_logits else logits[0]), self._pack(new_cache), (
-            tuple(queries) if return_queries else None)
+        new_cache, queries = _pack(cfg, states), tuple(queries)
+    last = x[-1:] if length is None else jax.lax.dynamic_slice_in_dim(x, length - 1, 1)
+    logits = lm_logits(cfg, params, x if all_logits else last)
+    return (logits if all_logits else logits[0]), new_cache, (queries if return_queries else None)
 
-    def decode(self, token, pos, cache, policy: AttentionPolicy):
-        """token: int32 [] (or one-hot [V]); pos: int32 [] absolute position (public under MPC:
-        RoPE tables and cache slots derive from it). Returns (logits [V], cache)."""
-        x, new_cache = self.decode_hidden(token, pos, cache, policy)
-        return self.lm_head(self.final_norm(x))[0], new_cache
 
-    def decode_hidden(self, token, pos, cache, policy: AttentionPolicy):
-        """`decode` without the final norm and LM head: (residual stream [1, D], cache).
-        Cost runs measure the decoder layers apart from the policy-independent LM head.
+def decode_hidden(cfg: ModelConfig, params: dict, token, pos, cache, policy: AttentionPolicy,
+                  min_rows: int = 1):
+    """One decode step through the decoder layers, without the final norm and LM head:
+    (residual stream [1, D], cache). token: int32 [] (or one-hot [V]); pos: int32 [] absolute
+    position (public under MPC: RoPE tables and cache slots derive from it).
 
-        The policy attends in the global layers (its layer index counts those only); a local
-        layer appends to its ring buffer and attends over its window itself."""
-        positions = jnp.reshape(pos, (1,))
-        x = self._embed(jnp.reshape(token, (1,) + token.shape), positions)
-        carry = policy.init_carry()
-        new_cache = []
-        evicting = 0
-        for index, (block, state) in enumerate(zip(self.layers, model_layers(cache))):
-            q, k, v = block.qkv(x, positions)
-            if self.cfg.local_layers[index]:
-                state = window_append(state, k[:, 0], v[:, 0])
-                out = attention.decode_attention(q[:, 0], state.k, state.v, state.valid(),
-                                                 policy.softmax)
-            else:
-                out, state, carry = policy.attend(evicting, q[:, 0], k[:, 0], v[:, 0], state,
-                                                  carry)
-                evicting += 1
-            x = block.finish(x, out[:, None, :])
-            new_cache.append(state)
-        return x, self._pack(new_cache)
+    The policy attends in the global layers (its layer index counts those only); a local layer
+    appends to its ring buffer and attends over its window itself. A LayerStack cache runs as
+    one loop over the layers (the policy sees a traced layer index); a tuple or SplitCache
+    layer after layer."""
+    positions = jnp.reshape(pos, (1,))
+    x = embed(cfg, params, jnp.reshape(token, (1,) + token.shape), positions)
+    carry = policy.init_carry()
+    if isinstance(cache, LayerStack) and scans_layers(cfg) and _carry_is_stable(
+            cfg, policy, params, x, positions, cache, carry):
+        def body(inputs, index_and_params):
+            x, stacked, carry = inputs
+            index, p = index_and_params
+            state = jax.tree_util.tree_map(
+                lambda s: jax.lax.dynamic_index_in_dim(s, index, keepdims=False), stacked)
+            x, state, carry = _decode_layer(cfg, p, x, positions, state, policy, index, carry,
+                                            min_rows)
+            stacked = jax.tree_util.tree_map(
+                lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, index, 0),
+                stacked, state)
+            return (x, stacked, carry), None
+        layers = stack_layers(params)["layers"]
+        indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, stacked, _), _ = jax.lax.scan(body, (x, cache.stacked, carry), (indices, layers))
+        return x, LayerStack(stacked)
+    new_cache, evicting = [], 0
+    states = list(cache) if isinstance(cache, LayerStack) else model_layers(cache)
+    for index, state in enumerate(states):
+        p = layer_params(params, index)
+        if cfg.local_layers[index]:
+            q, k, v = block_qkv(cfg, p, x, positions, True, min_rows)
+            state = window_append(state, k[:, 0], v[:, 0])
+            out = attention.decode_attention(q[:, 0], state.k, state.v, state.valid(),
+                                             policy.softmax)
+            x = block_finish(cfg, p, x, out[:, None, :], min_rows)
+        else:
+            x, state, carry = _decode_layer(cfg, p, x, positions, state, policy, evicting,
+                                            carry, min_rows)
+            evicting += 1
+        new_cache.append(state)
+    if isinstance(cache, LayerStack):
+        return x, LayerStack.of(new_cache)
+    return x, _pack(cfg, new_cache)
 
-    def lm_logits(self, x):
-        """Final norm + LM head of a residual stream [T, D] -> logits [T, V]."""
-        return self.lm_head(self.final_norm(x))
+
+def _decode_layer(cfg, p, x, positions, state, policy, index, carry, min_rows):
+    q, k, v = block_qkv(cfg, p, x, positions, False, min_rows)
+    out, state, carry = policy.attend(index, q[:, 0], k[:, 0], v[:, 0], state, carry)
+    return block_finish(cfg, p, x, out[:, None, :], min_rows), state, carry
+
+
+def _carry_is_stable(cfg, policy, params, x, positions, cache, carry) -> bool:
+    """Whether the policy's cross-layer carry keeps its structure through a layer (a loop
+    needs that; a policy that starts sharing a selection after its first layer runs its
+    layers one after another)."""
+    def one(x, state):
+        p = layer_params(params, 0)
+        return _decode_layer(cfg, p, x, positions, state, policy, 0, carry, 1)[2]
+    out = jax.eval_shape(one, x, cache[0])
+    same = jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(carry)
+    return same and all(a.shape == b.shape for a, b in zip(
+        jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(carry)))
+
+
+def decode(cfg: ModelConfig, params: dict, token, pos, cache, policy: AttentionPolicy,
+           min_rows: int = 1):
+    """One decode step -> (logits [V], cache)."""
+    x, new_cache = decode_hidden(cfg, params, token, pos, cache, policy, min_rows)
+    return lm_logits(cfg, params, x)[0], new_cache
 
 
 def param_count(params) -> int:

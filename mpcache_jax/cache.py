@@ -12,6 +12,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @flax.struct.dataclass
@@ -161,16 +162,78 @@ class SplitCache:
                    window=tuple(s for s, is_local in zip(states, local) if is_local), local=local)
 
 
-def policy_layers(cache) -> tuple:
-    """The layers an eviction policy manages: every layer of a plain cache, the global
-    (evicting) layers of a SplitCache."""
+@flax.struct.dataclass
+class LayerStack:
+    """The states of several layers with one structure, stacked on a leading axis.
+
+    stacked: a layer state (LayerKV, a policy's PrunedLayer, ...) whose every leaf has the
+    layer axis in front. The model's layer loop reads and writes one layer of it per step
+    (`lax.scan`); as a sequence it gives each layer's state (`stack[i]`, `len`, iteration),
+    which is how policies' `compress` walks the layers. Build one with `LayerStack.of`.
+    """
+
+    stacked: Any
+
+    @classmethod
+    def of(cls, states) -> "LayerStack":
+        """Stack per-layer states that share one structure and shape (`stackable`)."""
+        states = list(states)
+        if not stackable(states):
+            raise ValueError("these layer states differ in structure or shape and cannot be "
+                             "stacked; keep them as a tuple")
+        return cls(jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states))
+
+    def __len__(self) -> int:
+        return int(jax.tree_util.tree_leaves(self.stacked)[0].shape[0])
+
+    def __getitem__(self, index: int):
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"a LayerStack is indexed by a layer number, not {type(index).__name__}")
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"layer {index} of a stack of {n}")
+        return jax.tree_util.tree_map(lambda x: x[index], self.stacked)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def stackable(states) -> bool:
+    """Whether per-layer states have one tree structure (static fields included) and equal
+    leaf shapes and dtypes, so that they stack."""
+    states = list(states)
+    if not states:
+        return False
+    first = jax.tree_util.tree_structure(states[0])
+    shapes = [(np.shape(x), jnp.result_type(x)) for x in jax.tree_util.tree_leaves(states[0])]
+    if not shapes:
+        return False
+    return all(jax.tree_util.tree_structure(s) == first and
+               [(np.shape(x), jnp.result_type(x)) for x in jax.tree_util.tree_leaves(s)] == shapes
+               for s in states[1:])
+
+
+def stack_if_uniform(states):
+    """A LayerStack of the states when they stack, else the tuple of them."""
+    states = tuple(states)
+    return LayerStack.of(states) if stackable(states) else states
+
+
+def policy_layers(cache):
+    """The layers an eviction policy manages: every layer of a plain cache (a tuple or a
+    LayerStack), the global (evicting) layers of a SplitCache."""
     return cache.evicting if isinstance(cache, SplitCache) else cache
 
 
 def with_policy_layers(cache, layers):
-    """`cache` with its policy-managed layers replaced by `layers`."""
+    """`cache` with its policy-managed layers replaced by `layers` (a plain cache keeps its
+    form: a LayerStack when the new states stack, else a tuple)."""
     if isinstance(cache, SplitCache):
         return cache.replace(evicting=tuple(layers))
+    if isinstance(layers, LayerStack):
+        return layers
+    if isinstance(cache, LayerStack):
+        return stack_if_uniform(layers)
     return layers
 
 

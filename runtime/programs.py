@@ -33,7 +33,7 @@ import numpy as np
 from mpcache_jax.cache import policy_layers, with_policy_layers
 from mpcache_jax.policy import AttentionPolicy, PrefillAux
 from models.model import decode_logits, dense_prefill
-from models.transformer import DecoderLM
+from models import transformer
 
 SECRET = "secret"
 PUBLIC = "public"
@@ -69,8 +69,7 @@ def decode_layers_fn(model, policy: AttentionPolicy):
     """(params, token, pos, cache) -> (hidden [1, D], cache): a decode step's decoder layers
     without the LM head (cost runs: the head does not depend on the policy)."""
     def decode_layers(params, token, pos, cache):
-        return model.module.apply({"params": params}, token, pos, cache, policy,
-                                  method=DecoderLM.decode_hidden)
+        return transformer.decode_hidden(model.cfg, params, token, pos, cache, policy)
     return decode_layers
 
 
@@ -78,14 +77,14 @@ def forward_layers_fn(model):
     """(params, tokens [T, V]) -> hidden [1, D] of the last position: the decoder layers of a
     no-KV-cache decode step (recompute prompt + generated tokens)."""
     def forward_layers(params, tokens):
-        return model.module.apply({"params": params}, tokens, method=DecoderLM.forward_hidden)
+        return transformer.forward_hidden(model.cfg, params, tokens)
     return forward_layers
 
 
 def head_fn(model):
     """(params, hidden [1, D]) -> (token, logits [V]): final norm, LM head, greedy argmax."""
     def head(params, hidden):
-        logits = model.module.apply({"params": params}, hidden, method=DecoderLM.lm_logits)[0]
+        logits = transformer.lm_logits(model.cfg, params, hidden)[0]
         return greedy(logits), logits
     return head
 
@@ -111,20 +110,73 @@ def broadcast_visibility(visibility, tree) -> list[str]:
 
 def dependency_visibility(fn, args: tuple, visibility) -> Any:
     """SECRET/PUBLIC for every output of `fn(*args)`: public only when it depends on public
-    inputs alone (dependency analysis of the jaxpr; sub-computations count as one op, so this
-    is conservative). `args` may hold jax.ShapeDtypeStruct leaves."""
+    inputs alone (dependency analysis of the jaxpr, `secret_outputs`). `args` may hold
+    jax.ShapeDtypeStruct leaves."""
     flags = broadcast_visibility(visibility, args)
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    secret = {id(v) for v, f in zip(jaxpr.invars, flags) if f == SECRET}
+    closed = jax.make_jaxpr(fn)(*args)
+    secret = secret_outputs(closed.jaxpr, [f == SECRET for f in flags])
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
+    return jax.tree_util.tree_unflatten(out_tree, [SECRET if s else PUBLIC for s in secret])
+
+
+def secret_outputs(jaxpr, secret_in: list[bool]) -> list[bool]:
+    """Which outputs of `jaxpr` depend on a secret input. Loops, conditionals and calls are
+    followed into their bodies, as SPU sees them: a loop's carried value is secret when its
+    initial value or any iteration makes it so (a fixed point), so a public counter carried
+    beside secret values stays public; a conditional on a secret predicate makes every output
+    secret (SPU runs both branches and selects). Other operations: secret when any input is."""
+    secret = {}
 
     def is_secret(v):
-        return not isinstance(v, jax.core.Literal) and id(v) in secret
+        return not isinstance(v, jax.core.Literal) and secret.get(id(v), False)
+    for v, flag in zip(jaxpr.invars, secret_in):
+        secret[id(v)] = flag
+    for v in jaxpr.constvars:
+        secret[id(v)] = False
     for eqn in jaxpr.eqns:
-        if any(is_secret(v) for v in eqn.invars):
-            secret.update(id(v) for v in eqn.outvars)
-    out_tree = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
-    return jax.tree_util.tree_unflatten(
-        out_tree, [SECRET if is_secret(v) else PUBLIC for v in jaxpr.outvars])
+        ins = [is_secret(v) for v in eqn.invars]
+        outs = _secret_outputs_of(eqn, ins)
+        for v, flag in zip(eqn.outvars, outs):
+            secret[id(v)] = flag
+    return [is_secret(v) for v in jaxpr.outvars]
+
+
+def _secret_outputs_of(eqn, ins: list[bool]) -> list[bool]:
+    name, params = eqn.primitive.name, eqn.params
+    inner = lambda closed, flags: secret_outputs(closed.jaxpr, flags)
+    if name == "scan":
+        consts, carry = params["num_consts"], params["num_carry"]
+        c_in, carry_in, xs_in = ins[:consts], ins[consts:consts + carry], ins[consts + carry:]
+        while True:
+            out = inner(params["jaxpr"], c_in + carry_in + xs_in)
+            merged = [a or b for a, b in zip(carry_in, out[:carry])]
+            if merged == carry_in:
+                return out[:carry] + out[carry:]
+            carry_in = merged
+    if name == "while":
+        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        cond_c, body_c, carry_in = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+        while True:
+            out = inner(params["body_jaxpr"], body_c + carry_in)
+            merged = [a or b for a, b in zip(carry_in, out)]
+            if merged == carry_in:
+                if inner(params["cond_jaxpr"], cond_c + carry_in)[0]:
+                    return [True] * len(carry_in)
+                return carry_in
+            carry_in = merged
+    if name == "cond":
+        if ins[0]:
+            return [True] * len(eqn.outvars)
+        branches = [inner(branch, ins[1:]) for branch in params["branches"]]
+        return [any(flags) for flags in zip(*branches)]
+    if name in ("pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
+                "custom_vjp_call", "custom_vjp_call_jaxpr"):
+        sub = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
+        if sub is not None:
+            closed = sub if hasattr(sub, "jaxpr") else jax.core.ClosedJaxpr(sub, ())
+            if len(closed.jaxpr.invars) == len(ins):
+                return inner(closed, ins)
+    return [any(ins)] * len(eqn.outvars)
 
 
 def cache_visibility(cache) -> Any:

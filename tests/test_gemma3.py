@@ -109,14 +109,13 @@ def test_truncation_keeps_layer_types_and_needs_a_global_layer():
     assert [i for i, local in enumerate(full.local_layers) if not local] == [5, 11, 17]
 
 
-def test_expected_shapes_match_the_flax_module():
-    from models.transformer import DecoderLM
+def test_expected_shapes_match_the_model_parameters():
+    from models.model import Model
 
     for cfg in (TINY, catalog.get_config("gemma3-270m", num_layers=6)):
-        abstract = jax.eval_shape(DecoderLM(cfg).init, jax.random.PRNGKey(0),
-                                  jnp.zeros((1,), jnp.int32))
+        abstract = Model(cfg).param_shapes()
         flat = {"/".join(getattr(k, "key", str(k)) for k in path): tuple(leaf.shape)
-                for path, leaf in jax.tree_util.tree_flatten_with_path(abstract["params"])[0]}
+                for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
         assert flat.pop("lm_head/kernel") == (cfg.hidden_size, cfg.vocab_size)
         assert llama_shapes(cfg) == flat
 
@@ -212,7 +211,7 @@ def test_mpcache_selects_once_for_the_kv_head_and_takes_the_best_of_four_query_h
     from mpcache_jax.cache import empty_layer
     from mpcache_jax.policies.base import PrunedLayer
 
-    policy = make_policy("mpcache", 12, levels=((4, None),), oversample=0)
+    policy = make_policy("mpcache_exact", 12, levels=((4, None),), oversample=0)
     assert policy.scope_for(1) == "head" and policy.group_reduce == "max"
     S, d = 32, 16
     k = np.zeros((1, S, d), np.float32)

@@ -261,14 +261,23 @@ class PageSelectionPolicy(PromptEvictionPolicy):
         new = append_token(state.new, k_new, v_new)
         state = state.replace(new=new)
         lay = self.layout_of(state.extent())
-        if lay.full or layer < self.dense_layers:
-            return attend_with_new(q, state.k, state.v, state.valid, new, self.softmax), state, carry
-        mask = self.select(q, state, lay)
-        onehot = P.mask_onehot(mask, lay.selected_max)                   # [H_kv, n, C]
-        # initial tokens + selected pages of the middle + local tokens
-        out = attend_selected(q, state.k, state.v, state.valid, new, onehot, lay.page_size,
-                              lay.initial, lay.initial + lay.padded, self.softmax)
-        return out, self.after_select(state, mask.astype(state.k.dtype), k_new, lay), carry
+
+        def dense(state):
+            return attend_with_new(q, state.k, state.v, state.valid, new, self.softmax), state
+
+        def selecting(state):
+            mask = self.select(q, state, lay)
+            onehot = P.mask_onehot(mask, lay.selected_max)                   # [H_kv, n, C]
+            # initial tokens + selected pages of the middle + local tokens
+            out = attend_selected(q, state.k, state.v, state.valid, new, onehot, lay.page_size,
+                                  lay.initial, lay.initial + lay.padded, self.softmax)
+            return out, self.after_select(state, mask.astype(state.k.dtype), k_new, lay)
+        if lay.full:
+            return (*dense(state), carry)
+        if isinstance(layer, (int, np.integer)):      # layers run one after another
+            return (*(dense if layer < self.dense_layers else selecting)(state), carry)
+        # inside the layer loop the (public) layer number is traced: one branch runs
+        return (*jax.lax.cond(layer < self.dense_layers, dense, selecting, state), carry)
 
 
 @dataclasses.dataclass(frozen=True)
