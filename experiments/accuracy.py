@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from experiments import common, fidelity, natural_tasks, tasks
 from models import model as model_module
-from runtime.generate import bucket_of, compress_cache
+from runtime.generate import bucket_of, compress_batch, decode_loop_batch
 from mpcache_jax.policies import make_policy
 from models import registry
 
@@ -124,27 +124,64 @@ def make_samples(FLAGS, task: str, tokenizer, lengths: list[int], depths: list[f
                                       metric=FLAGS.metric))   # cut as LongBench: head and tail
 
 
-def evaluate_sample(loaded, sample, policies, FLAGS):
-    """All policies on one prefill of the sample -> list of per-sample records (task score,
-    agreement and KL with the full cache, mechanism metrics; experiments/fidelity.py). A
-    sample that cannot be run (e.g. its prompt and new tokens do not fit the model's context)
-    gives one `skipped` record per policy with the reason: it never ends the run."""
+def evaluate_batch(loaded, batch, policies, FLAGS, batch_size: int) -> list[list[dict]]:
+    """All policies on the samples of one batch (one prompt shape: `batches`) -> per sample,
+    its records (task score, agreement and KL with the full cache, mechanism metrics;
+    experiments/fidelity.py). A sample that cannot be run (its prompt and new tokens do not
+    fit the model's context) gives one `skipped` record per policy with the reason: it never
+    ends the run."""
     context = loaded.model.cfg.max_position
-    try:
-        if len(sample.prompt_ids) + new_tokens(sample, FLAGS) > context:
-            raise ValueError(f"{len(sample.prompt_ids)} prompt + {new_tokens(sample, FLAGS)} new "
-                             f"tokens exceed the model's context of {context}")
-        return fidelity.evaluate_policies(loaded, sample, policies,
-                                          max_new_tokens=FLAGS.max_new_tokens,
-                                          agree_tokens=FLAGS.agree_tokens,
-                                          with_mechanism=FLAGS.mechanism,
-                                          bucket=sample_bucket(sample, FLAGS, context))
-    except ValueError as err:
-        tqdm.write(f"skipped sample {sample.task}/{sample.sample_id}: {err}")
-        return [{"task": sample.task, "sample_id": sample.sample_id, "policy": label,
-                 "budget": budget, "metric": sample.metric, "prompt_tokens":
-                 len(sample.prompt_ids), "skipped": f"sample: {err}"}
-                for label, budget, _ in policies]
+    out, runnable = {}, []
+    for index, sample in enumerate(batch):
+        need = len(sample.prompt_ids) + new_tokens(sample, FLAGS)
+        if need > context:
+            err = (f"{len(sample.prompt_ids)} prompt + {new_tokens(sample, FLAGS)} new tokens "
+                   f"exceed the model's context of {context}")
+            tqdm.write(f"skipped sample {sample.task}/{sample.sample_id}: {err}")
+            out[index] = [{"task": sample.task, "sample_id": sample.sample_id, "policy": label,
+                           "budget": budget, "metric": sample.metric,
+                           "prompt_tokens": len(sample.prompt_ids), "skipped": f"sample: {err}"}
+                          for label, budget, _ in policies]
+        else:
+            runnable.append(index)
+    if runnable:
+        first = batch[runnable[0]]
+        records = fidelity.evaluate_batch(
+            loaded, [batch[i] for i in runnable], policies, max_new_tokens=FLAGS.max_new_tokens,
+            agree_tokens=FLAGS.agree_tokens, with_mechanism=FLAGS.mechanism,
+            bucket=sample_bucket(first, FLAGS, context), batch_size=batch_size)
+        out.update(zip(runnable, records))
+    return [out[i] for i in range(len(batch))]
+
+
+def batches(samples, FLAGS, context: int, size: int) -> list[list]:
+    """The samples in groups of at most `size` that share one prompt shape (bucket, or exact
+    length with --buckets=) and one number of decode steps, in the order they come."""
+    groups = collections.defaultdict(list)
+    for sample in samples:
+        shape = sample_bucket(sample, FLAGS, context) or len(sample.prompt_ids)
+        groups[(shape, new_tokens(sample, FLAGS))].append(sample)
+    return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
+
+
+def batch_size(FLAGS, loaded, samples, policies, context: int) -> tuple[int, str]:
+    """(samples per batch, why): --batch_size when given, else as many as the memory budget
+    (--memory_budget_mb, default half of the memory available now) holds at the longest
+    prompt shape of the run, at most 16."""
+    if FLAGS.batch_size:
+        return FLAGS.batch_size, "--batch_size"
+    if FLAGS.memory_budget_mb:
+        budget_mb = FLAGS.memory_budget_mb
+    else:
+        budget_mb = common.available_mb() / 2
+    need_queries = any(p.needs_queries for _, _, p in policies)
+    longest = max((sample_bucket(s, FLAGS, context) or (0, len(s.prompt_ids)))[1]
+                  for s in samples)
+    steps = max(new_tokens(s, FLAGS) for s in samples)
+    per_sample = fidelity.batch_bytes(loaded.model.cfg, longest, steps, need_queries) / 1e6
+    size = int(max(1, min(16, budget_mb // per_sample)))
+    return size, (f"memory budget {budget_mb:.0f} MB / {per_sample:.0f} MB per sample at "
+                  f"{longest} prompt slots")
 
 
 def new_tokens(sample, FLAGS) -> int:
@@ -183,10 +220,10 @@ def prompt_lengths(lengths: list[int], steps: int, context: int, model: str,
 
 
 def compilations() -> dict[str, int]:
-    """Programs compiled so far: prefill, policy compression, decode step."""
+    """Programs compiled so far: prefill, policy compression, decode loop."""
     return {"prefill": model_module._prefill._cache_size(),
-            "compress": compress_cache._cache_size(),
-            "decode": model_module._decode._cache_size()}
+            "compress": compress_batch._cache_size(),
+            "decode": decode_loop_batch._cache_size()}
 
 
 def policy_chunks(policies, size: int):
@@ -466,29 +503,36 @@ def run(FLAGS) -> None:
                 for r in all_records}
     samples_path.write_text("".join(json.dumps(r) + "\n" for r in all_records))
     chunks = policy_chunks(policies, FLAGS.policy_chunk)
+    size, why = batch_size(FLAGS, loaded, samples, policies, context)
+    print(f"batches of up to {size} samples ({why})")
+    groups = batches(samples, FLAGS, context, size)
     bar = tqdm(total=len(samples) * len(chunks), desc=",".join(task_names), unit="sample")
     compiled = collections.Counter()
-    warm_s = []     # wall time of samples that compiled nothing (after warm-up)
+    warm_s = []     # wall time per sample of batches that compiled nothing (after warm-up)
     for number, chunk in enumerate(chunks, 1):
         before = compilations()
-        for sample in samples:
-            todo = [(label, budget, policy) for label, budget, policy in chunk
-                    if record_key(sample.task, sample.sample_id, label, budget) not in finished]
+        for batch in groups:
+            todo = [s for s in batch if any(
+                record_key(s.task, s.sample_id, label, budget) not in finished
+                for label, budget, _ in chunk)]
+            bar.update(len(batch) - len(todo))
             if not todo:
-                bar.update()
                 continue
             start, seen = time.perf_counter(), compilations()
-            records = [{**r, "config_hash": settings_hash}
-                       for r in evaluate_sample(loaded, sample, todo, FLAGS)]
+            per_sample = evaluate_batch(loaded, todo, chunk, FLAGS, size)
             if compilations() == seen:
-                warm_s.append(time.perf_counter() - start)
+                warm_s.extend([(time.perf_counter() - start) / len(todo)] * len(todo))
+            records = [{**r, "config_hash": settings_hash} for sample_records in per_sample
+                       for r in sample_records
+                       if record_key(r["task"], r["sample_id"], r["policy"], r["budget"])
+                       not in finished]
             common.write_jsonl(samples_path, records, append=True)
             all_records.extend(records)
             means = collections.defaultdict(list)
             for r in records:
                 if "skipped" not in r:
                     means[f"{r['policy']}@{r['budget']}"].append(r["score"])
-            bar.update()
+            bar.update(len(todo))
             bar.set_postfix({k: f"{np.mean(v):.2f}" for k, v in list(means.items())[:4]})
         compiled.update({k: v - before[k] for k, v in compilations().items()})
         if len(chunks) > 1:
@@ -500,7 +544,7 @@ def run(FLAGS) -> None:
     print(f"compilations: {dict(compiled)} for {len(policies)} policy x budget programs and "
           f"{len(buckets)} prompt shape(s) {buckets if FLAGS.buckets else '(exact lengths)'}")
     if warm_s:
-        print(f"wall time per sample after warm-up (all its policies): median "
+        print(f"wall time per sample after warm-up (all its policies, batched): median "
               f"{np.median(warm_s):.1f} s over {len(warm_s)} samples")
     results = aggregate(all_records, FLAGS)
     common.replace_file(out / "run_config.json",

@@ -108,6 +108,19 @@ def resident_mb() -> float:
         return float("nan")
 
 
+def available_mb() -> float:
+    """Memory the system can give this process now without swapping (MemAvailable, MB); 8 GB
+    where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1e3
+    except (OSError, ValueError):
+        pass
+    return 8000.0
+
+
 def reset_peak_rss() -> None:
     """Start a new peak-memory window: Linux resets the process's high-water mark (VmHWM) to
     its current resident memory when 5 is written to /proc/self/clear_refs."""

@@ -1,17 +1,19 @@
 """Per-sample evaluation against the full cache: task score, agreement and KL, mechanism.
 
-An eviction policy is judged by how closely it reproduces the full cache. For one sample the
-full cache runs first (`reference`); every policy then decodes from the same prefill:
+An eviction policy is judged by how closely it reproduces the full cache. For each sample the
+full cache runs first (the reference); every policy then decodes from the same prefill:
 
-- generation tasks: greedy decoding. While the policy's tokens equal full's, its step
-  distributions are teacher-forced on full's output already; at the first difference the run
-  forks: the free branch goes on (its text gives the task score) and a teacher-forced branch
-  feeds full's tokens (its distributions give the KL). `agree` = 1 when the first
-  `agree_tokens` tokens equal full's, `agree_prefix` = share of them before the first
-  difference, `kl` = mean KL(p_full || p_policy) over the decode steps among them (the first
-  token comes from the dense prefill for every policy, so step 0 is left out);
+- generation tasks: greedy decoding, twice per policy: freely (its text gives the task score;
+  `agree` = 1 when its first `agree_tokens` tokens equal full's, `agree_prefix` = share of
+  them before the first difference) and teacher-forced on full's tokens, whose distributions
+  give `kl` = mean KL(p_full || p_policy) over the decode steps among the first
+  `agree_tokens` (the first token comes from the dense prefill for every policy, so step 0 is
+  left out). Up to the first difference the two runs are one and the same computation;
 - perplexity tasks: both teacher-forced on the reference text; `kl` over every scored step,
   `agree` = share of steps whose argmax equals full's.
+
+Samples of one prompt shape go through the device together (`evaluate_batch`): each is
+prefilled alone, then the reference and each policy decode the whole batch in one loop.
 
 Mechanism (policies with static eviction that report attended slots, samples with a known
 answer span): per layer, the share of the answer's tokens that survive static eviction
@@ -40,76 +42,6 @@ class Reference:
 
     tokens: list[int]
     logits: np.ndarray
-
-
-def forced_rows(model, params, cache, policy, start_pos: int, inputs) -> list[np.ndarray]:
-    """Logits after feeding each of `inputs` (positions start_pos, start_pos + 1, ...)."""
-    rows = []
-    for step, token in enumerate(inputs):
-        logits, cache = model.decode_step(params, int(token), start_pos + step, cache, policy)
-        rows.append(np.asarray(logits))
-    return rows
-
-
-def teacher_forced(model, params, logits, cache, policy, start_pos: int, tokens) -> np.ndarray:
-    """Logits [len(tokens), V] predicting each of `tokens` given the ones before it
-    (`logits`: the prefill's, predicting tokens[0])."""
-    return np.stack([np.asarray(logits)] +
-                    forced_rows(model, params, cache, policy, start_pos, tokens[:-1]))
-
-
-def greedy(model, params, logits, cache, policy, start_pos: int, max_new_tokens: int,
-           stop_ids) -> Reference:
-    tokens, rows = [], []
-    stops = set(int(s) for s in stop_ids)
-    for step in range(max_new_tokens):
-        rows.append(np.asarray(logits))
-        token = int(np.argmax(rows[-1]))
-        tokens.append(token)
-        if token in stops or step + 1 == max_new_tokens:
-            break
-        logits, cache = model.decode_step(params, token, start_pos + step, cache, policy)
-    return Reference(tokens, np.stack(rows))
-
-
-def compare_greedy(model, params, logits, cache, policy, start_pos: int, ref: Reference,
-                   max_new_tokens: int, stop_ids, agree_tokens: int) -> dict:
-    """Greedy run of `policy` scored against the reference (see the module docstring)."""
-    stops = set(int(s) for s in stop_ids)
-    n = min(agree_tokens, len(ref.tokens))
-    kls: list[float] = []
-    tokens: list[int] = []
-    fork = None
-    for step in range(max_new_tokens):
-        row = np.asarray(logits)
-        if fork is None and 0 < step < n:
-            kls.append(float(metrics.kl_divergence(ref.logits[step], row)))
-        token = int(np.argmax(row))
-        tokens.append(token)
-        if fork is None and step + 1 < n and token != ref.tokens[step]:
-            fork = (step, jax.tree_util.tree_map(jnp.copy, cache))
-        if token in stops or step + 1 == max_new_tokens:
-            break
-        logits, cache = model.decode_step(params, token, start_pos + step, cache, policy)
-    if fork is not None:
-        step, tf_cache = fork
-        forced = forced_rows(model, params, tf_cache, policy, start_pos + step,
-                             ref.tokens[step:n - 1])
-        kls.extend(float(metrics.kl_divergence(ref.logits[step + 1 + i], row))
-                   for i, row in enumerate(forced))
-    exact, prefix = metrics.greedy_agreement(ref.tokens, tokens, agree_tokens)
-    return {"tokens": tokens, "agree": exact, "agree_prefix": prefix,
-            "kl": float(np.mean(kls)) if kls else 0.0}
-
-
-def compare_forced(model, params, logits, cache, policy, start_pos: int, ref: Reference) -> dict:
-    """Teacher-forced run on the reference tokens: perplexity, KL and argmax agreement."""
-    rows = teacher_forced(model, params, logits, cache, policy, start_pos, ref.tokens)
-    logp = metrics.log_softmax(rows)
-    nll = -logp[np.arange(len(ref.tokens)), ref.tokens]
-    return {"ppl": float(math.exp(nll.mean())),
-            "kl": float(np.mean(metrics.kl_divergence(ref.logits, rows))),
-            "agree": float(np.mean(rows.argmax(-1) == ref.logits.argmax(-1)))}
 
 
 def answer_step(tokenizer, tokens: list[int], answers: list[str]) -> int | None:
@@ -157,69 +89,176 @@ def check_policy(policy, prompt_len: int, aux) -> None:
         check(prompt_len, aux.min_length, aux.prompt_len)
 
 
-def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_tokens: int,
-                      with_mechanism: bool, bucket: tuple[int, int] | None = None) -> list[dict]:
-    """Every (label, budget, policy) on one prefill of `sample` -> one record each.
-    bucket: (smallest length, capacity) to pad the prompt to (one compilation per bucket)."""
-    from runtime.generate import prefill_prompt
+def sample_steps(sample, max_new_tokens: int) -> int:
+    """Decode steps of a sample: its target's length (perplexity) or the generation's."""
+    return len(sample.target_ids) if sample.metric == "ppl" else max_new_tokens
+
+
+def batch_bytes(cfg, capacity: int, steps: int, need_queries: bool) -> int:
+    """What one sample of a batch holds on the device at most, in bytes (float32): its dense
+    prefill cache, a policy's decode cache and the decode loop's copy of it (each at most the
+    dense cache's size), the prompt queries when a policy reads them, and the logits kept for
+    the reference and for a policy ([steps, V] each)."""
+    global_layers = cfg.num_layers - sum(cfg.local_layers)
+    local = sum(cfg.local_layers) * min(cfg.sliding_window or 0, capacity + steps)
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim * (global_layers * (capacity + steps) + local)
+    queries = global_layers * cfg.num_heads * capacity * cfg.head_dim if need_queries else 0
+    return 4 * (3 * kv + queries + 2 * steps * cfg.vocab_size)
+
+
+def evaluate_batch(loaded, samples, policies, *, max_new_tokens: int, agree_tokens: int,
+                   with_mechanism: bool, bucket: tuple[int, int] | None = None,
+                   batch_size: int | None = None) -> list[list[dict]]:
+    """Every (label, budget, policy) on the samples of one batch -> one list of records per
+    sample (see the module docstring for what each record holds).
+
+    The samples share one prompt shape (exact length, or `bucket` = (smallest length,
+    capacity): prompts padded to the capacity) and one number of decode steps. Each is
+    prefilled once, alone; then the reference and every policy decode the whole batch at
+    once on the device (`runtime.generate.decode_loop_batch`), the batch padded to
+    `batch_size` samples (one compilation per shape) with copies of its last sample.
+    """
+    from runtime.generate import (compress_batch, decode_loop_batch, prefill_prompt,
+                                  stack_samples, take_sample, unaliased)
     from mpcache_jax.policy import FULL
     model, params, tok = loaded.model, loaded.params, loaded.tokenizer
-    forced = sample.metric == "ppl"
-    steps = len(sample.target_ids) if forced else max_new_tokens
+    forced = samples[0].metric == "ppl"
+    steps = sample_steps(samples[0], max_new_tokens)
+    if any((s.metric == "ppl") != forced or sample_steps(s, max_new_tokens) != steps
+           for s in samples):
+        raise ValueError("a batch mixes perplexity and generation samples, or decode lengths")
     need_queries = any(p.needs_queries for _, _, p in policies)
-    common.reset_peak_rss()      # the reference's window: prefill + full's decoding
-    logits, dense, aux = prefill_prompt(model, params, sample.prompt_ids, steps, need_queries,
-                                        bucket=bucket)
-    T = len(sample.prompt_ids)
+    real = len(samples)
+    size = max(real, batch_size or real)
+    common.reset_peak_rss()      # the reference's window: prefills + full's decoding
+    prefilled = [prefill_prompt(model, params, s.prompt_ids, steps, need_queries, bucket=bucket)
+                 for s in samples]
+    prefilled += [prefilled[-1]] * (size - real)
+    logits = jnp.stack([p[0] for p in prefilled])
+    dense = stack_samples([p[1] for p in prefilled])
+    aux = stack_samples([p[2] for p in prefilled])
+    del prefilled
+    lengths = [len(s.prompt_ids) for s in samples] + [len(samples[-1].prompt_ids)] * (size - real)
+    start = jnp.asarray(lengths, jnp.int32)
+    stop_ids = jnp.asarray(sorted(set(int(t) for t in tok.stop_ids)), jnp.int32).reshape(-1)
     prefill_peak = common.peak_rss_mb()
-    reference_cache = apply_policy(FULL, dense, aux, steps)
+
+    def run(policy, cache, forced_tokens=None, count=steps, keep_logits=False):
+        return decode_loop_batch(model, policy, params, logits, cache, start, stop_ids,
+                                 forced_tokens, steps=count, keep_logits=keep_logits)
+
     if forced:
-        ref = Reference(list(sample.target_ids),
-                        teacher_forced(model, params, logits, reference_cache, FULL, T,
-                                       sample.target_ids))
-        logp = metrics.log_softmax(ref.logits)
-        ref_score = float(math.exp(-logp[np.arange(len(ref.tokens)), ref.tokens].mean()))
-        ref_text = ""
+        targets = np.asarray([list(s.target_ids) for s in samples] +
+                             [list(samples[-1].target_ids)] * (size - real), np.int32)
+        _, _, _, ref_rows, _ = run(FULL, unaliased(compress_batch(FULL, dense, aux, steps), dense),
+                                   jnp.asarray(targets), keep_logits=True)
+        ref_rows = np.asarray(ref_rows)
+        refs = [Reference(list(s.target_ids), ref_rows[i]) for i, s in enumerate(samples)]
     else:
-        ref = greedy(model, params, logits, reference_cache, FULL, T, steps, tok.stop_ids)
-        ref_text = tok.decode(ref.tokens)
-        ref_score = metrics.score(sample.metric, ref_text, sample.answers)
-    step = None if forced else answer_step(tok, ref.tokens, sample.answers)
+        tokens, counts, _, ref_rows, _ = run(FULL, unaliased(compress_batch(FULL, dense, aux,
+                                                                            steps), dense),
+                                             keep_logits=True)
+        tokens, counts, ref_rows = np.asarray(tokens), np.asarray(counts), np.asarray(ref_rows)
+        refs = [Reference([int(t) for t in tokens[i, :counts[i]]], ref_rows[i, :counts[i]])
+                for i in range(real)]
+    del ref_rows
     reference_peak = common.peak_rss_mb()
-    records = []
-    for label, budget, policy in policies:
-        start = time.perf_counter()
-        common.reset_peak_rss()  # this policy's window: its compression + decoding
-        base = {"task": sample.task, "sample_id": sample.sample_id, "policy": label,
-                "budget": budget, "metric": sample.metric, "prompt_tokens": T,
-                "answers": sample.answers, "full_score": ref_score, **sample.meta}
-        try:
-            check_policy(policy, T, aux)
-        except ValueError as err:   # this configuration cannot serve this prompt length
-            records.append({**base, "skipped": str(err)})
-            continue
-        if policy is FULL or policy.name == "full":
-            result = {"score": ref_score, "output": ref_text, "agree": 1.0, "agree_prefix": 1.0,
-                      "kl": 0.0, "peak_rss_mb": reference_peak}
+    out: list[list[dict]] = [[] for _ in samples]
+    ref_scores, ref_texts, answer_steps = [], [], []
+    for sample, ref in zip(samples, refs):
+        if forced:
+            logp = metrics.log_softmax(ref.logits)
+            ref_scores.append(float(math.exp(-logp[np.arange(len(ref.tokens)),
+                                                   ref.tokens].mean())))
+            ref_texts.append("")
+            answer_steps.append(None)
         else:
-            cache = apply_policy(policy, dense, aux, steps)
-            if forced:
-                run = compare_forced(model, params, logits, cache, policy, T, ref)
-                result = {"score": run["ppl"], "output": "", "agree": run["agree"],
-                          "agree_prefix": run["agree"], "kl": run["kl"]}
-            else:
-                run = compare_greedy(model, params, logits, cache, policy, T, ref, steps,
-                                     tok.stop_ids, agree_tokens)
-                text = tok.decode(run["tokens"])
-                result = {"score": metrics.score(sample.metric, text, sample.answers),
-                          "output": text, "agree": run["agree"],
-                          "agree_prefix": run["agree_prefix"], "kl": run["kl"]}
-        # A run of this policy alone: the shared prefill's peak or its own, whichever is higher.
-        result.setdefault("peak_rss_mb", max(prefill_peak, common.peak_rss_mb()))
-        record = {**base, **result, "decode_s": round(time.perf_counter() - start, 3)}
-        if (with_mechanism and sample.answer_spans and not forced and
-                analysis.supports_mechanism(policy)):
-            record["mechanism"] = mechanism(model, params, policy, dense, aux, logits, T, ref,
-                                            step, sample.answer_spans, steps)
-        records.append(record)
-    return records
+            ref_texts.append(tok.decode(ref.tokens))
+            ref_scores.append(metrics.score(sample.metric, ref_texts[-1], sample.answers))
+            answer_steps.append(answer_step(tok, ref.tokens, sample.answers))
+    n_forced = min(agree_tokens, steps)
+    ref_fed = np.zeros((size, n_forced), np.int32)   # the reference's tokens, fed to a policy
+    for i, ref in enumerate(refs):
+        fed = ref.tokens[:n_forced]
+        ref_fed[i, :len(fed)] = fed
+    for label, budget, policy in policies:
+        started = time.perf_counter()
+        common.reset_peak_rss()  # this policy's window: its compression + decoding
+        bases = [{"task": s.task, "sample_id": s.sample_id, "policy": label, "budget": budget,
+                  "metric": s.metric, "prompt_tokens": len(s.prompt_ids), "answers": s.answers,
+                  "full_score": score, "batch": real, **s.meta}
+                 for s, score in zip(samples, ref_scores)]
+        problems = []
+        for i, sample in enumerate(samples):
+            try:
+                check_policy(policy, len(sample.prompt_ids), take_sample(aux, i))
+                problems.append(None)
+            except ValueError as err:   # this configuration cannot serve this prompt length
+                problems.append(str(err))
+        if all(problems):
+            for i in range(real):
+                out[i].append({**bases[i], "skipped": problems[i]})
+            continue
+        results = []
+        if policy is FULL or policy.name == "full":
+            results = [{"score": ref_scores[i], "output": ref_texts[i], "agree": 1.0,
+                        "agree_prefix": 1.0, "kl": 0.0, "peak_rss_mb": reference_peak}
+                       for i in range(real)]
+        elif forced:
+            cache = compress_batch(policy, dense, aux, steps)
+            _, _, _, rows, _ = run(policy, cache, jnp.asarray(targets), keep_logits=True)
+            rows = np.asarray(rows)
+            for i, ref in enumerate(refs):
+                run_i = forced_metrics(rows[i], ref)
+                results.append({"score": run_i["ppl"], "output": "", "agree": run_i["agree"],
+                                "agree_prefix": run_i["agree"], "kl": run_i["kl"]})
+        else:
+            cache = compress_batch(policy, dense, aux, steps)
+            copy = jax.tree_util.tree_map(jnp.copy, cache)
+            _, _, _, rows, _ = run(policy, copy, jnp.asarray(ref_fed), n_forced, True)
+            tokens, counts, _, _, _ = run(policy, cache)
+            rows, tokens, counts = np.asarray(rows), np.asarray(tokens), np.asarray(counts)
+            for i, (sample, ref) in enumerate(zip(samples, refs)):
+                generated = [int(t) for t in tokens[i, :counts[i]]]
+                n = min(agree_tokens, len(ref.tokens))
+                kls = [float(metrics.kl_divergence(ref.logits[t], rows[i, t]))
+                       for t in range(1, n)]
+                exact, prefix = metrics.greedy_agreement(ref.tokens, generated, agree_tokens)
+                text = tok.decode(generated)
+                results.append({"score": metrics.score(sample.metric, text, sample.answers),
+                                "output": text, "agree": exact, "agree_prefix": prefix,
+                                "kl": float(np.mean(kls)) if kls else 0.0})
+        elapsed = time.perf_counter() - started
+        peak = max(prefill_peak, common.peak_rss_mb())
+        for i, (sample, result) in enumerate(zip(samples, results)):
+            if problems[i]:
+                out[i].append({**bases[i], "skipped": problems[i]})
+                continue
+            result.setdefault("peak_rss_mb", peak)
+            record = {**bases[i], **result, "decode_s": round(elapsed / real, 3)}
+            if (with_mechanism and sample.answer_spans and not forced and
+                    analysis.supports_mechanism(policy)):
+                record["mechanism"] = mechanism(
+                    model, params, policy, take_sample(dense, i), take_sample(aux, i), logits[i],
+                    len(sample.prompt_ids), refs[i], answer_steps[i], sample.answer_spans, steps)
+            out[i].append(record)
+    return out
+
+
+def forced_metrics(rows: np.ndarray, ref: Reference) -> dict:
+    """A policy's teacher-forced logits [steps, V] on the reference tokens: perplexity, KL and
+    argmax agreement with the reference's."""
+    logp = metrics.log_softmax(rows)
+    nll = -logp[np.arange(len(ref.tokens)), ref.tokens]
+    return {"ppl": float(math.exp(nll.mean())),
+            "kl": float(np.mean(metrics.kl_divergence(ref.logits, rows))),
+            "agree": float(np.mean(rows.argmax(-1) == ref.logits.argmax(-1)))}
+
+
+def evaluate_policies(loaded, sample, policies, *, max_new_tokens: int, agree_tokens: int,
+                      with_mechanism: bool, bucket: tuple[int, int] | None = None) -> list[dict]:
+    """Every (label, budget, policy) on one prefill of `sample` -> one record each (a batch
+    of one: `evaluate_batch`)."""
+    return evaluate_batch(loaded, [sample], policies, max_new_tokens=max_new_tokens,
+                          agree_tokens=agree_tokens, with_mechanism=with_mechanism,
+                          bucket=bucket)[0]

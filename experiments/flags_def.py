@@ -53,6 +53,10 @@ flags.DEFINE_bool("mechanism", True, "Accuracy: per-layer answer-span survival a
 flags.DEFINE_bool("resume", False, "Accuracy: keep the per-sample records already in "
                   "OUTPUT_DIR/samples.jsonl (same flags) and run only the missing sample x policy "
                   "pairs, e.g. after a run was killed.")
+flags.DEFINE_integer("batch_size", 0, "Accuracy: samples of one prompt shape decoded together "
+                     "(0 = as many as --memory_budget_mb holds, at most 16).")
+flags.DEFINE_integer("memory_budget_mb", 0, "Accuracy: device memory a batch may hold (0 = half "
+                     "of the memory available at the start); sets the batch size.")
 flags.DEFINE_integer("policy_chunk", 0, "Evaluate policies x budgets in groups of this many "
                      "programs, freeing compiled programs between groups (bounds memory on "
                      "large sweeps; each group prefills the samples again). 0: all at once.")
@@ -108,6 +112,9 @@ flags.DEFINE_list("topk_sizes", ["16", "32", "64", "128", "256"], "topk bench: c
 # Output
 flags.DEFINE_string("output_dir", None, "Directory for results.jsonl (and plots, summaries).")
 flags.DEFINE_bool("verbose", False, "Show the libraries' INFO logging (orbax, jax).")
+flags.DEFINE_bool("compile_cache", True, "Keep compiled XLA programs in <cache_dir>/xla and "
+                  "reuse them in later runs (JAX's persistent compilation cache); "
+                  "--nocompile_cache compiles everything anew.")
 
 FLAGS = flags.FLAGS
 
@@ -116,7 +123,7 @@ FLAGS = flags.FLAGS
 # would still be recorded in the run's config. "nodes" is --backend=spu_nodes for
 # accuracy/mpc_cost (the node config's job per --policies x --seq_lens).
 COMMON_FLAGS = frozenset({"experiment", "model", "weights_path", "cache_dir", "num_layers",
-                          "seed", "output_dir", "verbose", "activation_impl"})
+                          "seed", "output_dir", "verbose", "activation_impl", "compile_cache"})
 EXPERIMENT_FLAGS = {
     "generate": COMMON_FLAGS | {"backend", "policies", "budgets", "prompt", "prompt_file",
                                 "system_prompt", "chat", "max_new_tokens", "temperature",
@@ -124,7 +131,8 @@ EXPERIMENT_FLAGS = {
     "accuracy": COMMON_FLAGS | {"task", "policies", "variants", "budgets", "num_samples",
                                 "lengths", "depths", "data_path", "metric", "ppl_target_len",
                                 "buckets", "agree_tokens", "mechanism", "resume",
-                                "policy_chunk", "max_new_tokens"},
+                                "policy_chunk", "max_new_tokens", "batch_size",
+                                "memory_budget_mb"},
     "mpc_cost": COMMON_FLAGS | {"layers", "backend", "policies", "variants", "budgets", "protocol",
                                 "runtime_config", "seq_lens", "mpc_bench", "topk_method",
                                 "mpc_share_from", "softmax", "no_cache_max_len", "mpc_repeats",
@@ -132,7 +140,7 @@ EXPERIMENT_FLAGS = {
                                 "topk_sizes", "prompt", "system_prompt", "chat",
                                 "max_new_tokens"},
     "nodes": frozenset({"experiment", "backend", "node_config", "policies", "seq_lens", "model",
-                        "num_layers", "output_dir", "verbose"}),
+                        "num_layers", "output_dir", "verbose", "compile_cache"}),
 }
 # --experiment=generate --backend=spu_nodes: the node config's job fixes the program (numerics,
 # greedy decoding, no system message), so those flags would be ignored.

@@ -22,6 +22,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     quiet_libraries()
+    if FLAGS.compile_cache:
+        from runtime import compile_cache
+        compile_cache.enable(FLAGS.cache_dir)
     from experiments.common import git_commit
     git_commit()   # the code this run starts with, named in every record
     from models.gguf_store import GGUFIntegrityError

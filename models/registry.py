@@ -48,6 +48,19 @@ _LOADERS: dict[str, Callable[..., LoadedModel]] = {
 assert tuple(_LOADERS) == MODEL_NAMES, "every registered geometry needs a loader"
 
 
+def is_cached(name: str, cache_dir: str | None = None) -> bool:
+    """Whether `name`'s real weights are on this machine already (its GGUF in the cache dir):
+    loading them downloads nothing. False for the random-weight geometries."""
+    import importlib
+
+    from models.gguf_store import cache_root
+    module = {"smollm2-135m": "models.smollm2", "gemma3-270m": "models.gemma3"}.get(name)
+    if module is None:
+        return False
+    store = importlib.import_module(module).STORE
+    return (cache_root(cache_dir) / store.gguf_name).is_file()
+
+
 def load(name: str, *, weights_path: str | None = None, cache_dir: str | None = None,
          seed: int = 0, num_layers: int | None = None,
          layers: Sequence[int] | None = None) -> LoadedModel:

@@ -6,6 +6,8 @@ same code compiles for XLA and for SPU. Shapes use `...` for any leading batch a
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -68,6 +70,31 @@ def topk_mask(scores: jax.Array, k, *, valid: jax.Array | None = None,
         _, idx = jax.lax.top_k(s, k)
         return jnp.sum(indices_onehot(idx, N, dtype), axis=-2)
     return (_pairwise_rank(s) < k).astype(dtype)
+
+
+def topk_onehot(scores: jax.Array, k, k_max: int, *, valid: jax.Array | None = None,
+                forced: jax.Array | None = None) -> jax.Array:
+    """The k largest scores of each row as an integer one-hot [..., k_max, N], rows in order of
+    rank (row r marks the entry of rank r; rows r >= k are zero).
+
+    scores: [..., N]; valid, forced as in `topk_mask` (ties to the lower index); k: an int, or
+    an int32 scalar known at run time, <= the static k_max. From the pairwise ranks (one
+    batch of N(N-1)/2 comparisons, constant depth) one equality test per (row, entry) gives
+    the one-hot directly: under MPC one comparison round fewer than `topk_mask` followed by
+    `mask_onehot`, and the selected entries need not come out in index order when what
+    follows (a gather into a working set) does not care.
+    """
+    N = scores.shape[-1]
+    if not 0 < k_max <= N:
+        raise ValueError(f"top-k one-hot needs 0 < k_max <= {N}, got k_max={k_max}")
+    if isinstance(k, (int, np.integer)) and not 0 <= k <= k_max:
+        raise ValueError(f"k={k} must lie in [0, k_max={k_max}]")
+    rank = _pairwise_rank(_adjust(scores, valid, forced))                    # [..., N]
+    rows = jnp.arange(k_max, dtype=jnp.int32)
+    onehot = (rank[..., None, :] == rows[:, None]).astype(jnp.int32)       # [..., k_max, N]
+    if isinstance(k, (int, np.integer)) and k == k_max:
+        return onehot
+    return onehot * (rows < k).astype(jnp.int32)[:, None]                   # public rows
 
 
 def _rows_rolled(s: jax.Array, rows: int) -> jax.Array:
@@ -163,22 +190,64 @@ def batched_matmul(a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
     return out.reshape(L, m, p)
 
 
-def gather_rows(onehot: jax.Array, x: jax.Array) -> jax.Array:
-    """One-hot MatMul gather. onehot: [..., k, N] 0/1; x: [..., N, D] -> [..., k, D].
+# Whether the program being traced is compiled for MPC (SPU). Secure programs gather with
+# one-hot products (a secret index has no other oblivious form); plaintext programs (XLA) take
+# the same rows by index: the result is the same to the bit (a one-hot product adds exact
+# zeros to the one row it picks), at a fraction of the work (k x D instead of k x N x D).
+_SECURE_TRACE = contextvars.ContextVar("mpcache_secure_trace", default=False)
+# Rows narrower than this are gathered by the product in plaintext too: the index path first
+# finds each row's one (an argmax over the one-hot), which costs as much as a product with a
+# few columns (LongCache's put-back of [k, T] one-hots onto G x 1 columns: 2.7x slower by
+# index on SmolLM2 at 8192 tokens; the default's working-set gather of c x row columns: 2x
+# faster).
+INDEX_GATHER_MIN_WIDTH = 32
 
-    The one-hot enters the matmul as integers (a float one-hot is turned into integers by one
-    comparison of its [k, N] entries; an integer one-hot is used as it is): under MPC an
-    integer x fixed-point product needs no truncation of the [k, D] result (1.5x less ABY3
-    communication, `--experiment=mpc_cost --mpc_bench=gather_dtype`); values are exact. Leading
-    axes (heads) go through `batched_matmul` (one round of messages when small).
+
+@contextlib.contextmanager
+def secure_trace():
+    """Trace programs for MPC inside this block (`runtime.mpc.backends.compile_spu`)."""
+    token = _SECURE_TRACE.set(True)
+    try:
+        yield
+    finally:
+        _SECURE_TRACE.reset(token)
+
+
+def tracing_for_mpc() -> bool:
+    return _SECURE_TRACE.get()
+
+
+def gather_rows(onehot: jax.Array, x: jax.Array, loop: bool = False) -> jax.Array:
+    """One-hot MatMul gather. onehot: [..., k, N] 0/1 with at most one 1 per row; x: [..., N, D]
+    -> [..., k, D] (zeros for an all-zero row).
+
+    Under MPC (`secure_trace`) the one-hot enters the matmul as integers (a float one-hot is
+    turned into integers by one comparison of its [k, N] entries; an integer one-hot is used
+    as it is): an integer x fixed-point product needs no truncation of the [k, D] result (1.5x
+    less ABY3 communication, `--experiment=mpc_cost --mpc_bench=gather_dtype`); values are
+    exact. Leading axes (heads) go through `batched_matmul` (one round of messages when small),
+    or, with `loop`, one product per leading index always (wide rows, where a block-diagonal
+    spread's extra multiply-accumulates cost more than the rounds it saves). In plaintext rows
+    of at least INDEX_GATHER_MIN_WIDTH columns are taken by index (the same values).
     """
     lead = jnp.broadcast_shapes(onehot.shape[:-2], x.shape[:-2])
     if not jnp.issubdtype(onehot.dtype, jnp.integer):
         onehot = onehot > 0.5
+    if not tracing_for_mpc() and x.shape[-1] >= INDEX_GATHER_MIN_WIDTH:
+        picked = onehot != 0
+        index = jnp.broadcast_to(jnp.argmax(picked, axis=-1), lead + onehot.shape[-2:-1])
+        rows = jnp.take_along_axis(jnp.broadcast_to(x, lead + x.shape[-2:]), index[..., None],
+                                   axis=-2)
+        hit = jnp.broadcast_to(jnp.any(picked, axis=-1), index.shape)[..., None]
+        return jnp.where(hit, rows, jnp.zeros((), x.dtype))
     ints = jnp.broadcast_to(onehot, lead + onehot.shape[-2:]).astype(jnp.int32)
     rows = jnp.broadcast_to(x, lead + x.shape[-2:])
     (k, N), D = ints.shape[-2:], rows.shape[-1]
-    out = batched_matmul(ints.reshape(-1, k, N), rows.reshape(-1, N, D), x.dtype)
+    if loop:
+        out = jax.lax.dot_general(ints.reshape(-1, k, N), rows.reshape(-1, N, D),
+                                  (((2,), (1,)), ((0,), (0,))), preferred_element_type=x.dtype)
+    else:
+        out = batched_matmul(ints.reshape(-1, k, N), rows.reshape(-1, N, D), x.dtype)
     return out.reshape(lead + (k, D))
 
 

@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpcache_jax.cache import policy_layers, with_policy_layers
+from mpcache_jax.cache import LayerStack, policy_layers, with_policy_layers
 from mpcache_jax.policy import FULL, AttentionPolicy, PrefillAux
+from models import transformer
+from models.model import XLA_MIN_ROWS, decode_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +74,7 @@ def apply_policy(policy: AttentionPolicy, cache, aux: PrefillAux, max_new_tokens
         check = getattr(policy, "check_bucketed", None)
         if check is not None:
             check(int(aux.length), aux.min_length, aux.prompt_len)
-    out = compress_cache(policy, cache, aux, max_new_tokens)
-    in_leaves = {id(x) for x in jax.tree_util.tree_leaves(cache)}
-    if any(id(x) in in_leaves for x in jax.tree_util.tree_leaves(out)):
-        out = jax.tree_util.tree_map(jnp.copy, out)
-    return out
+    return unaliased(compress_cache(policy, cache, aux, max_new_tokens), cache)
 
 
 # Token id written into the padding of a bucketed prompt (never attended: causal attention
@@ -117,46 +115,217 @@ def prefill_prompt(model, params, prompt_ids: Sequence[int], max_new_tokens: int
                          min_length=bucket[0])
 
 
+def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+    return sample_token.__wrapped__(logits, key, temperature, top_p)
+
+
+def _loop(model, policy: AttentionPolicy, params, logits, cache, start_pos, key, stop_ids, forced,
+          steps: int, temperature: float, top_p: float, keep_logits: bool,
+          always_decode: bool = False):
+    """The decode loop of one sample (see `decode_loop`). always_decode: decode after the last
+    token too (one step more, whose results are dropped) instead of branching on `done`: in a
+    batch (vmap) that branch would become a select of two whole caches every step."""
+    tokens = jnp.full((steps,), -1, jnp.int32)
+    rows = jnp.zeros((steps,) + logits.shape, logits.dtype) if keep_logits else None
+
+    def body(state):
+        step, logits, cache, key, tokens, rows, _, _ = state
+        key, sub = jax.random.split(key)
+        token = forced[step] if forced is not None else _sample(logits, sub, temperature, top_p)
+        tokens = tokens.at[step].set(token)
+        if keep_logits:
+            rows = rows.at[step].set(logits)
+        stopped = (jnp.any(token == stop_ids) if forced is None and stop_ids.size
+                   else jnp.zeros((), bool))
+        done = stopped | (step + 1 >= steps)
+        step_fn = lambda: decode_logits(model, policy, params, token, start_pos + step, cache,
+                                        XLA_MIN_ROWS)
+        if always_decode:
+            logits, cache = step_fn()
+        else:
+            logits, cache = jax.lax.cond(done, lambda: (logits, cache), step_fn)
+        return step + 1, logits, cache, key, tokens, rows, done, stopped
+
+    state = (jnp.zeros((), jnp.int32), logits, cache, key, tokens, rows, jnp.zeros((), bool),
+             jnp.zeros((), bool))
+    step, _, cache, _, tokens, rows, _, stopped = jax.lax.while_loop(
+        lambda state: ~state[6], body, state)
+    return tokens, step, stopped, rows, cache
+
+
+def _stacked_params(model, params, cache):
+    """The weights in the form the decode step reads best: stacked for a layer loop (a
+    LayerStack cache), one entry per layer for layers run one after another (slicing stacked
+    weights there would copy them every step)."""
+    if isinstance(cache, LayerStack) and transformer.scans_layers(model.cfg):
+        return transformer.stack_layers(params)
+    return transformer.unstack_layers(params)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "policy", "steps", "temperature", "top_p",
+                                             "keep_logits"),
+                   donate_argnames=("cache",))
+def decode_loop(model, policy: AttentionPolicy, params, logits, cache, start_pos, key, stop_ids,
+                forced=None, *, steps: int, temperature: float = 0.0, top_p: float = 1.0,
+                keep_logits: bool = False):
+    """Up to `steps` tokens in one program: the loop runs on the device (`lax.while_loop`), the
+    stop test included; nothing returns to the host between tokens.
+
+    logits: [V] the prompt's last-position logits; cache: the policy's decode cache (donated);
+    start_pos: int32 [] position of the first new token; key: the sampling key (split once per
+    token, as `sample_token` is called in turn); stop_ids: int32 [n] (may be empty);
+    forced: int32 [steps] tokens to feed instead of sampling (teacher forcing: no stop test).
+    Each step takes a token from the current logits (or `forced`), then, unless it was a stop
+    token or the last, decodes it.
+
+    Returns (tokens int32 [steps] (-1 past the end), count int32 [], stopped bool [],
+    logits of every step [steps, V] when keep_logits, else None, the final cache: returned so
+    that the loop runs in the donated cache's buffers)."""
+    return _loop(model, policy, _stacked_params(model, params, cache), logits, cache, start_pos, key,
+                 stop_ids, forced, steps, temperature, top_p, keep_logits, always_decode=True)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "policy", "steps", "keep_logits"),
+                   donate_argnames=("cache",))
+def decode_loop_batch(model, policy: AttentionPolicy, params, logits, cache, start_pos,
+                      stop_ids, forced=None, *, steps: int, keep_logits: bool = False):
+    """`decode_loop` (greedy) for a batch of samples at once: logits [B, V], cache (a batch of
+    caches: `stack_samples`), start_pos [B], forced [B, steps] or None. The weights are read
+    once per step for the whole batch; the loop runs until every sample has stopped (a sample
+    that stopped keeps its results). Each sample decodes `steps` tokens into its cache (one
+    after its last, dropped): the caches hold prompt + steps tokens."""
+    params = _stacked_params(model, params, cache)
+    key = jax.random.PRNGKey(0)       # greedy: the key is never used
+    axes = sample_axes(cache)
+
+    def one(logits, cache, start_pos, forced):
+        return _loop(model, policy, params, logits, cache, start_pos, key, stop_ids, forced,
+                     steps, 0.0, 1.0, keep_logits, always_decode=True)
+    return jax.vmap(one, in_axes=(0, axes, 0, None if forced is None else 0),
+                    out_axes=(0, 0, 0, 0, axes))(logits, cache, start_pos, forced)
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "max_new_tokens"))
+def compress_batch(policy: AttentionPolicy, cache, aux: PrefillAux, max_new_tokens: int):
+    """`compress_cache` of a batch of samples (`stack_samples`)."""
+    def one(cache, aux):
+        return with_policy_layers(cache, policy.compress(policy_layers(cache), aux,
+                                                         max_new_tokens))
+    in_axes = (sample_axes(cache), 0)
+    return jax.vmap(one, in_axes=in_axes, out_axes=_axes_of_output(one, cache, aux, in_axes))(
+        cache, aux)
+
+
+def _axes_of_output(fn, cache, aux, in_axes):
+    """vmap out_axes for fn's output: the sample axis behind the layer axis of a LayerStack's
+    leaves (`sample_axes`), in front elsewhere."""
+    def unbatched(tree, axes):
+        return jax.tree_util.tree_map(
+            lambda x, a: jax.ShapeDtypeStruct(x.shape[:a] + x.shape[a + 1:], x.dtype), tree, axes)
+    out = jax.eval_shape(fn, unbatched(cache, in_axes[0]),
+                         unbatched(aux, jax.tree_util.tree_map(lambda _: 0, aux)))
+    return sample_axes(out)
+
+
+def sample_axes(tree):
+    """The axis that holds the samples of a batch, per leaf of a batched tree (or of one
+    sample's): 1 in a LayerStack, behind its layer axis (so that the layer loop's updates of one
+    layer stay in place), 0 elsewhere."""
+    def axes(node):
+        if isinstance(node, LayerStack):
+            return LayerStack(jax.tree_util.tree_map(lambda _: 1, node.stacked))
+        return jax.tree_util.tree_map(lambda _: 0, node)
+    return jax.tree_util.tree_map(axes, tree, is_leaf=lambda x: isinstance(x, LayerStack))
+
+
+def stack_samples(trees):
+    """Per-sample pytrees of one structure (caches, PrefillAux) -> one batch: every array leaf
+    gets a sample axis (`sample_axes`: behind a LayerStack's layer axis, else in front)."""
+    axes = jax.tree_util.tree_leaves(sample_axes(trees[0]))
+    leaves = [jax.tree_util.tree_leaves(t) for t in trees]
+    treedef = jax.tree_util.tree_structure(trees[0])
+    stacked = [jnp.stack(xs, axis=a) for a, xs in zip(axes, zip(*leaves))]
+    return jax.tree_util.tree_unflatten(treedef, stacked)
+
+
+def take_sample(tree, index: int):
+    """Sample `index` of a batch made by `stack_samples`."""
+    axes = jax.tree_util.tree_leaves(sample_axes(tree))
+    leaves = jax.tree_util.tree_leaves(tree)
+    treedef = jax.tree_util.tree_structure(tree)
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.take(x, index, axis=a) for a, x in zip(axes, leaves)])
+
+
+def unaliased(out, inputs):
+    """`out`, copied where it shares a buffer with `inputs` (a decode loop donates its cache:
+    a policy that keeps the dense cache as it is must not hand over the one other policies
+    still read)."""
+    in_leaves = {id(x) for x in jax.tree_util.tree_leaves(inputs)}
+    if any(id(x) in in_leaves for x in jax.tree_util.tree_leaves(out)):
+        return jax.tree_util.tree_map(jnp.copy, out)
+    return out
+
+
+def check_decode_room(model, policy: AttentionPolicy, cache, start_pos: int, steps: int) -> None:
+    """Before a decode loop of `steps` tokens (steps - 1 decode steps): every position fits
+    the model's context and the cache has room for every new token."""
+    last = start_pos + steps - 2
+    if steps > 1 and not 0 <= last < model.cfg.max_position:
+        raise ValueError(f"position {last} is outside the model's context of "
+                         f"{model.cfg.max_position} positions ({model.cfg.name})")
+    if steps > 1 and policy.free_slots(policy_layers(cache)) < steps - 1:
+        raise ValueError("the KV cache is full: allocate more room for new tokens "
+                         "(capacity >= prompt length + max_new_tokens)")
+
+
 def decode_tokens(model, params, logits, cache, *, policy: AttentionPolicy, start_pos: int,
                   max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                   stop_ids: Sequence[int] = (), keep_logits: bool = False,
                   progress: bool = False) -> GenerationResult:
-    """Sample up to `max_new_tokens` tokens; `logits` are the prompt's last-position logits."""
-    key = jax.random.PRNGKey(sampling.seed)
-    tokens: list[int] = []
-    kept: list[np.ndarray] = []
-    stops = set(int(s) for s in stop_ids)
-    steps = range(max_new_tokens)
+    """Sample up to `max_new_tokens` tokens (`decode_loop`: on the device); `logits` are the
+    prompt's last-position logits. The cache is donated. progress: say on stderr how many
+    tokens are being decoded (the loop does not return to the host per token)."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
+    check_decode_room(model, policy, cache, start_pos, max_new_tokens)
     if progress:
-        from tqdm import tqdm
-        steps = tqdm(steps, desc="decode", unit="tok", leave=False)
-    stopped = False
-    for step in steps:
-        key, sub = jax.random.split(key)
-        if keep_logits:
-            kept.append(np.asarray(logits))
-        token = int(sample_token(logits, sub, sampling.temperature, sampling.top_p))
-        tokens.append(token)
-        if token in stops:
-            stopped = True
-            break
-        if step + 1 < max_new_tokens:
-            logits, cache = model.decode_step(params, token, start_pos + step, cache, policy)
-    return GenerationResult(tokens=tokens, prompt_len=start_pos, stopped=stopped,
-                            step_logits=kept if keep_logits else None)
+        import sys
+        print(f"decoding up to {max_new_tokens} tokens on {jax.default_backend()}",
+              file=sys.stderr, flush=True)
+    tokens, count, stopped, rows, _ = decode_loop(
+        model, policy, params, logits, cache, jnp.asarray(start_pos, jnp.int32),
+        jax.random.PRNGKey(sampling.seed),
+        jnp.asarray(sorted(set(int(s) for s in stop_ids)), jnp.int32).reshape(-1),
+        steps=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+        keep_logits=keep_logits)
+    count = int(count)
+    kept = None if rows is None else list(np.asarray(rows)[:count])
+    return GenerationResult(tokens=[int(t) for t in np.asarray(tokens)[:count]],
+                            prompt_len=start_pos, stopped=bool(stopped), step_logits=kept)
+
+
+def teacher_forced_logits(model, params, logits, cache, *, policy: AttentionPolicy,
+                          start_pos: int, target_ids: Sequence[int]) -> np.ndarray:
+    """Logits [len(target_ids), V] predicting each of `target_ids` given the ones before it
+    (`logits`: the prefill's, predicting target_ids[0]); one device loop. The cache is donated."""
+    steps = len(target_ids)
+    check_decode_room(model, policy, cache, start_pos, steps)
+    _, _, _, rows, _ = decode_loop(model, policy, params, logits, cache,
+                                jnp.asarray(start_pos, jnp.int32), jax.random.PRNGKey(0),
+                                jnp.zeros((0,), jnp.int32), jnp.asarray(target_ids, jnp.int32),
+                                steps=steps, keep_logits=True)
+    return np.asarray(rows)
 
 
 def continuation_nll(model, params, logits, cache, *, policy: AttentionPolicy, start_pos: int,
                      target_ids: Sequence[int]) -> np.ndarray:
     """Teacher-forced negative log-likelihood [len(target_ids)] of a continuation."""
-    nll = []
-    for step, token in enumerate(target_ids):
-        row = np.asarray(logits, np.float64)
-        row = row - row.max()
-        nll.append(float(np.log(np.exp(row).sum()) - row[int(token)]))
-        if step + 1 < len(target_ids):
-            logits, cache = model.decode_step(params, int(token), start_pos + step, cache, policy)
-    return np.asarray(nll)
+    rows = teacher_forced_logits(model, params, logits, cache, policy=policy,
+                                 start_pos=start_pos, target_ids=target_ids).astype(np.float64)
+    rows = rows - rows.max(axis=-1, keepdims=True)
+    log_z = np.log(np.exp(rows).sum(axis=-1))
+    return log_z - rows[np.arange(len(target_ids)), np.asarray(target_ids)]
 
 
 def generate(model, params, prompt_ids: Sequence[int], *, max_new_tokens: int,

@@ -121,7 +121,7 @@ def test_a_bucket_never_leaves_less_room_than_the_new_tokens():
 def test_a_sample_that_does_not_fit_is_skipped_and_counted(llama):
     """A prompt whose new tokens would run past the context is recorded as skipped (one record
     per policy, with the reason) and the run goes on."""
-    from experiments.accuracy import evaluate_sample
+    from experiments.accuracy import evaluate_batch
     from experiments.tasks import Sample
     from models.catalog import LoadedModel
     model, params, _ = llama
@@ -129,6 +129,6 @@ def test_a_sample_that_does_not_fit_is_skipped_and_counted(llama):
     context = model.cfg.max_position
     sample = Sample("qa", "7", [1] * (context - 10), ["x"], "qa_f1")
     policies = [("full", None, make_policy("full")), ("mpcache", 0.1, make_policy("mpcache", 0.1))]
-    records = evaluate_sample(loaded, sample, policies, _flags())
+    records = evaluate_batch(loaded, [sample], policies, _flags(), 1)[0]
     assert [r["policy"] for r in records] == ["full", "mpcache"]
     assert all(f"exceed the model's context of {context}" in r["skipped"] for r in records)

@@ -202,3 +202,73 @@ def test_budget_tokens():
     for bad in (0.0, 1.5, -3, 0):
         with pytest.raises(ValueError):
             P.budget_tokens(bad, 100)
+
+
+def test_topk_onehot_rows_are_the_entries_in_rank_order():
+    """Row r of the one-hot marks the entry of rank r (lax.top_k's order, ties to the lower
+    index); forced entries come first, invalid ones last; rows at or past a runtime k are
+    zero."""
+    rng = np.random.RandomState(1)
+    scores = rng.randint(0, 5, size=(2, 3, 13)).astype(np.float32)   # ties, batched rows
+    for k in (1, 4, 13):
+        onehot = np.asarray(P.topk_onehot(jnp.asarray(scores), k, k))
+        assert onehot.dtype == np.int32 and onehot.shape == (2, 3, k, 13)
+        _, idx = jax.lax.top_k(jnp.asarray(scores), k)
+        np.testing.assert_array_equal(onehot.argmax(-1), np.asarray(idx))
+        assert (onehot.sum(-1) == 1).all()
+    valid = (np.arange(13) < 9).astype(np.float32)
+    forced = (np.arange(13) == 7).astype(np.float32)
+    onehot = np.asarray(P.topk_onehot(jnp.asarray(scores), 5, 5, valid=valid, forced=forced))
+    assert (onehot[..., 0, :].argmax(-1) == 7).all()           # forced first
+    assert onehot[..., 9:].sum() == 0                          # invalid ones never (9 valid)
+    runtime = np.asarray(jax.jit(lambda s, k: P.topk_onehot(s, k, 6))(jnp.asarray(scores), 3))
+    np.testing.assert_array_equal(runtime[..., :3, :], np.asarray(P.topk_onehot(
+        jnp.asarray(scores), 3, 3)))
+    assert runtime[..., 3:, :].sum() == 0
+    with pytest.raises(ValueError, match="k_max"):
+        P.topk_onehot(jnp.asarray(scores), 2, 14)
+    with pytest.raises(ValueError, match="k=7"):
+        P.topk_onehot(jnp.asarray(scores), 7, 6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 213, 255, 256, 257, 828, 2056])
+def test_reduce_max_pads_to_a_power_of_two_only_where_that_saves_rounds(n):
+    """Same value as jnp.max; padded (to the next power of two, with MAX_FILL) exactly when
+    SPU's reduction would take more rounds on n entries than on the power of two."""
+    from mpcache_jax import attention
+    x = np.random.RandomState(n).randn(3, n).astype(np.float32) - 50.0
+    got = attention.reduce_max(jnp.asarray(x), axis=-1)
+    np.testing.assert_array_equal(np.asarray(got), x.max(-1, keepdims=True))
+    shapes = [eqn.invars[0].aval.shape for eqn in
+              jax.make_jaxpr(lambda v: attention.reduce_max(v))(x).jaxpr.eqns
+              if eqn.primitive.name == "reduce_max"]
+    padded = 1 << max(0, (n - 1).bit_length())
+    want = padded if bin(n).count("1") > 2 else n
+    assert shapes == [(3, want)]
+    assert attention.max_rounds(256) == 8 and attention.max_rounds(255) == 14
+    assert attention.max_rounds(213) == 11 and attention.max_rounds(1) == 0
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_plaintext_gathers_by_index_equal_the_secure_one_hot_products_bit_for_bit(loop):
+    """gather_rows / chain_pick / chain_put take rows by index in plaintext programs and multiply
+    by the one-hot in programs traced for MPC (`secure_trace`): the same values, bit for bit
+    (zero rows included), float and integer one-hots alike."""
+    rng = np.random.RandomState(4)
+    x = rng.randn(3, 20, P.INDEX_GATHER_MIN_WIDTH).astype(np.float32) * 100
+    rows = np.zeros((3, 5, 20), np.int32)
+    for h in range(3):
+        rows[h, np.arange(4), rng.choice(20, 4, replace=False)] = 1   # row 4 stays empty
+    for onehot in (rows, rows.astype(np.float32)):
+        plain = jax.jit(lambda o, v: P.gather_rows(o, v, loop=loop))(onehot, x)
+        with P.secure_trace():
+            secure = jax.jit(lambda o, v: P.gather_rows(o, v, loop=loop))(onehot, x)
+        np.testing.assert_array_equal(np.asarray(plain), np.asarray(secure))
+        np.testing.assert_array_equal(np.asarray(plain)[:, :4], np.stack(
+            [x[h, rows[h, :4].argmax(-1)] for h in range(3)]))
+        assert (np.asarray(plain)[:, 4] == 0).all()
+    chain = (jnp.asarray(rows[:1, :, :]),)                             # one shared row
+    picked_plain = P.chain_put(chain, P.chain_pick(chain, jnp.asarray(x)))
+    with P.secure_trace():
+        picked_secure = jax.jit(lambda v: P.chain_put(chain, P.chain_pick(chain, v)))(x)
+    np.testing.assert_array_equal(np.asarray(picked_plain), np.asarray(picked_secure))

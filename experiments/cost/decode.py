@@ -54,7 +54,9 @@ def build_policy(cfg: CostConfig, name: str, protocol: str, prompt_len: int, num
         rows, candidates = RANK_ROWS_MEASURED, prompt_len
         if hasattr(policy, "ranked_rows"):
             rows, candidates = policy.ranked_rows(prompt_len, num_kv_heads)
-        changes["topk_method"] = topk_method_for(cfg, protocol, rows, candidates)
+        method = topk_method_for(cfg, protocol, rows, candidates)
+        allowed = getattr(type(policy), "TOPK_METHODS", None)   # a policy that ranks one way
+        changes["topk_method"] = method if allowed is None or method in allowed else allowed[0]
     return dataclasses.replace(policy, **changes), cfg.budget
 
 # ----- decode (Figures 10 / 11, limit) -------------------------------------------------------------

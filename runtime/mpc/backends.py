@@ -32,6 +32,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from mpcache_jax.primitives import secure_trace
 from runtime.mpc.config import MPCConfig
 from runtime.mpc.profile_log import RunCost, party_executable_name, read_run_profiles
 from runtime.programs import (PUBLIC, SECRET, broadcast_visibility,
@@ -320,9 +321,10 @@ def compile_spu(fn: Callable, args: tuple, visibility, allow_reveals: bool = Fal
         return fn(*jax.tree_util.tree_unflatten(in_tree, leaves))
     flat_fn.__name__ = name
     flat = [np.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x for x in flat]
-    executable, out_info = spu_fe.compile(
-        spu_fe.Kind.JAX, flat_fn, flat, {}, [f"{name}_in{i}" for i in range(len(flat))],
-        spu_vis, lambda outs: [f"{name}_out{i}" for i in range(len(outs))])
+    with secure_trace():   # one-hot products where plaintext programs gather by index
+        executable, out_info = spu_fe.compile(
+            spu_fe.Kind.JAX, flat_fn, flat, {}, [f"{name}_in{i}" for i in range(len(flat))],
+            spu_vis, lambda outs: [f"{name}_out{i}" for i in range(len(outs))])
     ir = executable.code.decode("utf-8")
     leaks = secret_reveals(ir)
     if leaks and not allow_reveals:

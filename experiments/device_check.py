@@ -1,0 +1,202 @@
+"""The plaintext path on whatever accelerator JAX finds: prefill and the on-device decode loop
+of `full` and the default policy at long prompts, timed, with the peak device memory and the
+logits' largest difference from the same program on the CPU.
+
+    python -m experiments.device_check [--models=llama2-d1024,smollm2-135m,gemma3-270m]
+        [--lengths=8192,32768] [--new_tokens=32] [--cpu_layers=2] [--out=DIR]
+
+Weights: the registered model's real ones when its files are in the cache (no download is
+attempted), else random weights of the real geometry (kernels N(0, 1/fan_in), so activations
+and logits are O(1)); the context is stretched to the prompt where a geometry's is shorter
+(RoPE takes any position; these rows measure speed and numerics, not answers). The CPU
+comparison runs the same prompt through the model cut to its first --cpu_layers layers on the
+accelerator and on the CPU (a whole 32768-token model on the CPU would take most of an hour):
+prefill logits and every decode step's. Without an accelerator the CPU rows are printed and
+the comparison is skipped. Writes DIR/device_check.jsonl (one record per model, length and
+policy). Uses no SPU: it runs on a current JAX (scripts/xla_env.sh).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+
+def random_params(model, seed: int):
+    """Weights of the model's geometry with O(1) activations."""
+    import jax
+    import jax.numpy as jnp
+    from models.model import tie_lm_head
+    params = model.init_params(seed)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    out = []
+    for (path, leaf), key in zip(leaves, keys):
+        name = path[-1].key
+        noise = jax.random.normal(key, leaf.shape, jnp.float32)
+        if name == "scale":
+            out.append(1.0 + 0.1 * noise)
+        elif name == "bias":
+            out.append(0.05 * noise)
+        elif name == "embedding":
+            out.append(noise)
+        else:
+            out.append(noise / (leaf.shape[0] ** 0.5))
+    params = jax.tree_util.tree_unflatten(treedef, out)
+    return tie_lm_head(params) if model.cfg.tie_embeddings else params
+
+
+def load(name: str, length: int, new_tokens: int, seed: int):
+    """(model, params, weights) with a context of at least length + new_tokens."""
+    from models import registry
+    from models.model import Model
+    cfg = registry.get_config(name)
+    need = length + new_tokens
+    real = registry.is_cached(name)
+    if real:
+        loaded = registry.load(name)
+        model, params = loaded.model, loaded.params
+    else:
+        model = Model(cfg)
+        params = random_params(model, seed)
+    if model.cfg.max_position < need:
+        model = Model(model.cfg.replace(max_position=need))
+    return model, params, ("real" if real else "random")
+
+
+def truncated(model, params, layers: int):
+    """The model cut to its first `layers` layers (global ones kept: Gemma's sixth)."""
+    from models.catalog import LoadedModel, pick_layers
+    cfg = model.cfg
+    keep = list(range(min(layers, cfg.num_layers)))
+    if cfg.layer_types and all(cfg.local_layers[i] for i in keep):
+        keep[-1] = cfg.local_layers.index(False)
+    small = pick_layers(LoadedModel(model, params), keep)
+    return small.model, small.params
+
+
+def run_once(model, params, prompt, policy, new_tokens: int, device):
+    """Prefill + compress + the decode loop on `device` -> (prefill s, decode tokens/s,
+    prefill logits, per-step logits, tokens)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from models import transformer
+    from runtime.generate import apply_policy, decode_loop, prefill_prompt
+    with jax.default_device(device):
+        params = jax.device_put(transformer.stack_layers(params)
+                                if transformer.scans_layers(model.cfg) else params, device)
+        timings = []
+        for _ in range(2):   # the first compiles; the second is timed
+            start = time.perf_counter()
+            logits, dense, aux = prefill_prompt(model, params, prompt, new_tokens,
+                                                policy.needs_queries)
+            jax.block_until_ready(logits)
+            prefill_s = time.perf_counter() - start
+            cache = apply_policy(policy, dense, aux, new_tokens)
+            del dense
+            start = time.perf_counter()
+            tokens, count, _, rows, _ = decode_loop(
+                model, policy, params, logits, cache, jnp.asarray(len(prompt), jnp.int32),
+                jax.random.PRNGKey(0), jnp.zeros((0,), jnp.int32), steps=new_tokens,
+                keep_logits=True)
+            jax.block_until_ready(rows)
+            timings.append((prefill_s, new_tokens / (time.perf_counter() - start)))
+        return (timings[-1][0], timings[-1][1], np.asarray(logits), np.asarray(rows),
+                np.asarray(tokens)[:int(count)])
+
+
+def peak_bytes(device) -> int | None:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.device_check",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama2-d1024,smollm2-135m,gemma3-270m")
+    parser.add_argument("--lengths", default="8192,32768")
+    parser.add_argument("--policies", default="full,mpcache")
+    parser.add_argument("--budget", type=float, default=0.1)
+    parser.add_argument("--new_tokens", type=int, default=32)
+    parser.add_argument("--cpu_layers", type=int, default=2,
+                        help="layers of the model cut for the CPU comparison (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/device_check")
+    args = parser.parse_args(argv[1:])
+    import jax
+    import numpy as np
+    from models.catalog import MODEL_NAMES
+    from mpcache_jax.policies import POLICY_NAMES, make_policy
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODEL_NAMES]
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; registered: {', '.join(MODEL_NAMES)}")
+    policies = [p for p in args.policies.split(",") if p]
+    if [p for p in policies if p not in POLICY_NAMES]:
+        parser.error(f"--policies: registered ones are {', '.join(POLICY_NAMES)}")
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        parser.error(f"--lengths={args.lengths!r}: comma-separated integers")
+    if args.new_tokens < 2:
+        parser.error("--new_tokens must be >= 2")
+    device = jax.devices()[0]
+    cpu = jax.devices("cpu")[0]
+    accelerated = device.platform != "cpu"
+    print(f"jax {jax.__version__} on {device.platform} ({device.device_kind}); "
+          f"{'CPU comparison at ' + str(args.cpu_layers) + ' layers' if accelerated and args.cpu_layers else 'no accelerator: CPU rows, no comparison'}",
+          flush=True)
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    rng = np.random.RandomState(args.seed)
+    for name in models:
+        for length in lengths:
+            model, params, weights = load(name, length, args.new_tokens, args.seed)
+            prompt = [int(t) for t in rng.randint(3, model.cfg.vocab_size, length)]
+            for policy_name in policies:
+                policy = make_policy(policy_name, budget=args.budget)
+                record = {"model": name, "weights": weights, "prompt_tokens": length,
+                          "policy": policy_name, "budget": args.budget,
+                          "new_tokens": args.new_tokens, "device": device.device_kind,
+                          "platform": device.platform, "jax": jax.__version__}
+                try:
+                    prefill_s, tok_s, _, _, _ = run_once(model, params, prompt, policy,
+                                                         args.new_tokens, device)
+                    record.update(prefill_s=round(prefill_s, 3), decode_tokens_per_s=round(tok_s, 2),
+                                  peak_device_bytes=peak_bytes(device))
+                    if accelerated and args.cpu_layers:
+                        small, small_params = truncated(model, params, args.cpu_layers)
+                        got = run_once(small, small_params, prompt, policy, args.new_tokens, device)
+                        want = run_once(small, small_params, prompt, policy, args.new_tokens, cpu)
+                        record.update(
+                            cpu_layers=small.cfg.num_layers,
+                            max_abs_logit_diff_prefill=float(np.max(np.abs(got[2] - want[2]))),
+                            max_abs_logit_diff_decode=float(np.max(np.abs(got[3] - want[3]))),
+                            logit_scale=float(np.std(want[3])),
+                            same_tokens=bool(np.array_equal(got[4], want[4])))
+                except Exception as err:   # a row that fails (memory) is recorded, not fatal
+                    record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                records.append(record)
+                print(json.dumps(record), flush=True)
+    with open(out_dir / "device_check.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    print(f"\n{'model':14s} {'T':>6s} {'policy':8s} {'prefill s':>9s} {'tok/s':>8s} "
+          f"{'peak GB':>8s} {'|dlogit| cpu':>12s}")
+    for r in records:
+        peak = r.get("peak_device_bytes")
+        diff = r.get("max_abs_logit_diff_decode")
+        print(f"{r['model']:14s} {r['prompt_tokens']:6d} {r['policy']:8s} "
+              f"{r.get('prefill_s', float('nan')):9.2f} {r.get('decode_tokens_per_s', float('nan')):8.1f} "
+              f"{(peak / 1e9 if peak else float('nan')):8.2f} "
+              f"{(diff if diff is not None else float('nan')):12.2e} {r.get('error', '')}")
+    print(f"wrote {out_dir / 'device_check.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,203 @@
+"""Evaluation without per-token host round trips: the layers as one loop, the decode loop on
+the device, batches of samples, the persistent compilation cache, a plaintext path without SPU.
+Each is checked against the straightforward computation it replaces."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.common import REPO_ROOT
+from models import registry, transformer
+from mpcache_jax.cache import LayerStack
+from mpcache_jax.policies import make_policy
+from runtime.generate import (SamplingConfig, apply_policy, decode_loop_batch, decode_tokens,
+                              prefill_prompt, sample_token, stack_samples, take_sample)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """llama-tiny with O(1) activations (the 0.02 init gives near-constant logits)."""
+    lm = registry.load("llama-tiny")
+    params = jax.tree_util.tree_map(lambda p: p * 6.0 if p.ndim == 2 else p, lm.params)
+    params["lm_head"] = {"kernel": params["embed"]["embedding"].T}
+    return lm.model, params
+
+
+def _host_loop(model, params, logits, cache, policy, start, steps, sampling, stop_ids=()):
+    """The per-token host loop the device loop replaces (model.decode_step each step)."""
+    key = jax.random.PRNGKey(sampling.seed)
+    tokens, rows = [], []
+    for step in range(steps):
+        key, sub = jax.random.split(key)
+        rows.append(np.asarray(logits))
+        token = int(sample_token(logits, sub, sampling.temperature, sampling.top_p))
+        tokens.append(token)
+        if token in stop_ids or step + 1 == steps:
+            break
+        logits, cache = model.decode_step(params, token, start + step, cache, policy)
+    return tokens, np.stack(rows)
+
+
+@pytest.mark.parametrize("name", ["full", "mpcache", "h2o", "quest"])
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_device_loop_equals_the_host_loop(tiny, name, temperature):
+    model, params = tiny
+    prompt = list(np.random.RandomState(0).randint(0, 256, 150))
+    policy = make_policy(name, 0.3)
+    sampling = SamplingConfig(temperature=temperature, seed=3)
+    logits, dense, aux = prefill_prompt(model, params, prompt, 12, policy.needs_queries)
+    want, want_rows = _host_loop(model, params, logits, apply_policy(policy, dense, aux, 12),
+                                 policy, len(prompt), 12, sampling)
+    got = decode_tokens(model, params, logits, apply_policy(policy, dense, aux, 12),
+                        policy=policy, start_pos=len(prompt), max_new_tokens=12,
+                        sampling=sampling, keep_logits=True)
+    assert got.tokens == want
+    np.testing.assert_allclose(np.stack(got.step_logits), want_rows, atol=1e-5)
+    # a stop token ends the loop on the device after it is emitted
+    stop = want[4]
+    got = decode_tokens(model, params, logits, apply_policy(policy, dense, aux, 12),
+                        policy=policy, start_pos=len(prompt), max_new_tokens=12,
+                        sampling=sampling, stop_ids=[stop])
+    assert got.tokens == want[:want.index(stop) + 1] and got.stopped
+
+
+def test_the_layer_loop_equals_the_layers_one_after_another(tiny):
+    """A LayerStack cache runs the decode step as one scan over the stacked layers: the same
+    logits as a tuple cache (layers unrolled); the prefill scans either way."""
+    model, params = tiny
+    prompt = list(np.random.RandomState(1).randint(0, 256, 100))
+    for name in ("full", "mpcache", "snapkv"):
+        policy = make_policy(name, 0.3)
+        runs = []
+        for stacked in (False, True):
+            cache = model.init_cache(len(prompt) + 6, stacked=stacked)
+            logits, dense, aux = model.prefill(params, prompt, cache,
+                                               return_queries=policy.needs_queries)
+            assert isinstance(dense, LayerStack) == stacked
+            cache = apply_policy(policy, dense, aux, 6)
+            assert isinstance(cache, LayerStack) == stacked
+            rows = [np.asarray(logits)]
+            for step, token in enumerate(prompt[:5]):
+                logits, cache = model.decode_step(params, token, len(prompt) + step, cache,
+                                                  policy)
+                rows.append(np.asarray(logits))
+            runs.append(np.stack(rows))
+        np.testing.assert_allclose(runs[0], runs[1], atol=1e-5)
+    stacked = transformer.stack_layers(params)
+    assert stacked["layers"]["q_proj"]["kernel"].shape[0] == model.cfg.num_layers
+    back = transformer.unstack_layers(stacked)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_batch_decodes_as_its_samples_one_by_one(tiny):
+    """Three bucketed prompts of different lengths decoded together (and teacher-forced
+    together) give each sample's own tokens and logits."""
+    model, params = tiny
+    rng = np.random.RandomState(2)
+    prompts = [list(rng.randint(0, 256, n)) for n in (70, 101, 128)]
+    policy = make_policy("mpcache", 0.4)
+    bucket, steps = (65, 128), 8
+    outs = [prefill_prompt(model, params, p, steps, False, bucket=bucket) for p in prompts]
+    logits = jnp.stack([o[0] for o in outs])
+    from runtime.generate import compress_batch
+    cache = compress_batch(policy, stack_samples([o[1] for o in outs]),
+                           stack_samples([o[2] for o in outs]), steps)
+    start = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    stop = jnp.zeros((0,), jnp.int32)
+    forced = jnp.asarray(rng.randint(0, 256, (3, steps)), jnp.int32)
+    copy = jax.tree_util.tree_map(jnp.copy, cache)
+    tokens, counts, _, rows, _ = decode_loop_batch(model, policy, params, logits, cache, start,
+                                                   stop, steps=steps, keep_logits=True)
+    _, _, _, forced_rows, _ = decode_loop_batch(model, policy, params, logits, copy, start,
+                                                stop, forced, steps=steps, keep_logits=True)
+    for i, (prompt, (first, dense, aux)) in enumerate(zip(prompts, outs)):
+        single = apply_policy(policy, dense, aux, steps)
+        want, want_rows = _host_loop(model, params, first, single, policy, len(prompt), steps,
+                                     SamplingConfig())
+        assert [int(t) for t in np.asarray(tokens[i, :counts[i]])] == want
+        np.testing.assert_allclose(np.asarray(rows[i]), want_rows, atol=1e-5)
+        single = apply_policy(policy, dense, aux, steps)
+        feed = [int(t) for t in np.asarray(forced[i])]
+        want_forced = [np.asarray(first)]
+        logits_i = first
+        for step, token in enumerate(feed[:-1]):
+            logits_i, single = model.decode_step(params, token, len(prompt) + step, single,
+                                                 policy)
+            want_forced.append(np.asarray(logits_i))
+        np.testing.assert_allclose(np.asarray(forced_rows[i]), np.stack(want_forced), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(take_sample(stack_samples([o[2] for o in outs]),
+                                                         1).length), 101)
+
+
+def test_the_batched_harness_gives_each_samples_records_alone():
+    """experiments.fidelity.evaluate_batch on three samples of one bucket: the same records
+    (outputs, agreement, KL) as each sample evaluated alone."""
+    from experiments import fidelity, natural_tasks
+    lm = registry.load("smollm2-135m", num_layers=2)
+    samples = list(natural_tasks.NATURAL_TASKS["multi_needle"](
+        lm.tokenizer, lengths=[300], depths=[0.3, 0.7], num_samples=3, seed=0))
+    policies = [("full", 1.0, make_policy("full")), ("mpcache", 0.2, make_policy("mpcache", 0.2)),
+                ("longcache", 0.2, make_policy("longcache", 0.2))]
+    kwargs = dict(max_new_tokens=10, agree_tokens=6, with_mechanism=False, bucket=(257, 512))
+    together = fidelity.evaluate_batch(lm, samples, policies, batch_size=4, **kwargs)
+    for sample, records in zip(samples, together):
+        alone = fidelity.evaluate_batch(lm, [sample], policies, **kwargs)[0]
+        for a, b in zip(records, alone):
+            assert (a["output"], a["agree"], a["agree_prefix"]) == \
+                   (b["output"], b["agree"], b["agree_prefix"])
+            assert abs(a["kl"] - b["kl"]) < 1e-5 and a["batch"] == 3 and b["batch"] == 1
+
+
+def _run_python(code: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def test_plaintext_generation_and_an_accuracy_sample_never_import_spu():
+    code = """
+import sys, json
+from models import registry
+from runtime.generate import generate
+from mpcache_jax.policies import make_policy
+from experiments import fidelity, natural_tasks
+lm = registry.load("llama-tiny")
+generate(lm.model, lm.params, list(range(1, 60)), max_new_tokens=4,
+         policy=make_policy("mpcache", 0.5))
+lm = registry.load("smollm2-135m", num_layers=1)
+sample = next(iter(natural_tasks.NATURAL_TASKS["multi_needle"](lm.tokenizer, lengths=[300], depths=[0.5],
+                                                     num_samples=1, seed=0)))
+fidelity.evaluate_batch(lm, [sample], [("mpcache", 0.3, make_policy("mpcache", 0.3))],
+                        max_new_tokens=3, agree_tokens=2, with_mechanism=False)
+print(json.dumps(sorted(m for m in sys.modules if m == "spu" or m.startswith("spu."))))
+"""
+    proc = _run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_a_second_process_reads_its_programs_from_the_compilation_cache(tmp_path):
+    """runtime.compile_cache: the first process compiles a prefill and writes it under
+    <cache_dir>/xla; a second one finds it there (JAX's cache-hit log line)."""
+    code = f"""
+import logging, jax, numpy as np
+logging.basicConfig(level=logging.DEBUG)
+from runtime import compile_cache
+print("dir", compile_cache.enable({str(tmp_path)!r}))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from models import registry
+lm = registry.load("llama-tiny")
+lm.model.prefill(lm.params, list(range(1, 200)), lm.model.init_cache(210))
+"""
+    first = _run_python(code)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "xla").is_dir() and any((tmp_path / "xla").iterdir())
+    second = _run_python(code)
+    assert second.returncode == 0, second.stderr[-3000:]
+    hit = "Persistent compilation cache hit for 'jit__prefill'"
+    assert hit not in first.stderr and hit in second.stderr
