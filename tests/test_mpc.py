@@ -11,7 +11,7 @@ from runtime import mpc
 from runtime.generate import apply_policy
 from mpcache_jax.policies import make_policy
 from models import registry
-from models.transformer import RMSNorm, activation_fn
+from models.transformer import activation_fn, rms_norm
 
 # Secure logits vs plaintext logits (FM64, 18 fraction bits: resolution 4e-6; exp, reciprocal
 # and rsqrt are iterative fixed-point approximations): max |delta logit| allowed.
@@ -137,12 +137,14 @@ def tiny():
 
 
 def tiny_policy(name):
-    if name == "mpcache":
-        return make_policy("mpcache", budget=16, levels=((8, 0.5), (4, None)), static_keep=32,
-                           share_from=0, topk_method="rank")
-    if name == "mpcache_reuse":   # a working set gathered every other step
-        return make_policy("mpcache", budget=16, levels=((8, 0.5), (4, None)), share_from=0,
-                           topk_method="rank", refresh_every=2)
+    if name == "mpcache":          # the default at 16 of 32 tokens: 2 stripes of clusters of 4
+        return make_policy("mpcache", budget=16, cluster_size=4, stripes=2, recent_min=4)
+    if name == "mpcache_exact":
+        return make_policy("mpcache_exact", budget=16, levels=((8, 0.5), (4, None)),
+                           static_keep=32, share_from=0, topk_method="rank")
+    if name == "mpcache_reuse":   # the exact selection's working set, gathered every other step
+        return make_policy("mpcache_exact", budget=16, levels=((8, 0.5), (4, None)),
+                           share_from=0, topk_method="rank", refresh_every=2)
     return make_policy(name)
 
 
@@ -163,7 +165,7 @@ def secure_vs_plain_decode(model, params, prompt, policy, protocol):
 
 
 @pytest.mark.parametrize("protocol", ["ABY3", "SEMI2K"])
-@pytest.mark.parametrize("policy_name", ["full", "mpcache"])
+@pytest.mark.parametrize("policy_name", ["full", "mpcache", "mpcache_exact"])
 def test_secure_decode_matches_plaintext(tiny, policy_name, protocol):
     model, params, prompt = tiny
     out = secure_vs_plain_decode(model, params, prompt, tiny_policy(policy_name), protocol)
@@ -187,7 +189,7 @@ def test_secure_generation_prefill_eviction_and_decode_inside_mpc(tiny):
     """Prefill, static eviction (compress) and decode steps all run under ABY3 and produce the
     plaintext tokens; the cache stays shared between steps."""
     model, params, prompt = tiny
-    policy = tiny_policy("mpcache")
+    policy = tiny_policy("mpcache_exact")
     runs = {}
     for backend_name in ("xla", "spu_sim"):
         backend = mpc.make_backend(backend_name, mpc.MPCConfig(protocol="ABY3"))
@@ -199,12 +201,13 @@ def test_secure_generation_prefill_eviction_and_decode_inside_mpc(tiny):
     assert prefill.send_bytes > decode.send_bytes > 0
 
 
-def test_secure_reuse_generation_equals_plaintext_and_pays_on_refresh_steps(tiny):
-    """A working set refreshed every other step: SPU runs one branch of the public refresh
-    condition per step (the selection and gather only on refresh steps) and gives the
-    plaintext tokens."""
+@pytest.mark.parametrize("policy_name", ["mpcache", "mpcache_reuse"])
+def test_secure_reuse_generation_equals_plaintext_and_pays_on_refresh_steps(tiny, policy_name):
+    """A working set refreshed every other step (the default, and the exact selection's):
+    SPU runs one branch of the public refresh condition per step (the selection and gather
+    only on refresh steps) and gives the plaintext tokens."""
     model, params, prompt = tiny
-    policy = tiny_policy("mpcache_reuse")
+    policy = tiny_policy(policy_name)
     runs = {}
     for backend_name in ("xla", "spu_sim"):
         backend = mpc.make_backend(backend_name, mpc.MPCConfig(protocol="ABY3"))
@@ -247,7 +250,7 @@ def test_clear_prefill_shares_the_plaintext_prefill_and_decodes_the_same(tiny, m
 
 
 # ----- nothing secret is revealed inside the programs ---------------------------------------------------
-@pytest.mark.parametrize("policy_name", ["mpcache", "mpcache_reuse"])
+@pytest.mark.parametrize("policy_name", ["mpcache", "mpcache_exact", "mpcache_reuse"])
 def test_compiled_programs_reveal_nothing_and_positions_are_public(tiny, policy_name):
     model, params, prompt = tiny
     policy = tiny_policy(policy_name)
@@ -381,10 +384,9 @@ def test_rmsnorm_of_an_attention_sink_row_stays_in_fixed_point_range():
     typical = np.linspace(-3.0, 3.0, D, dtype=np.float32)  # mean square ~3: full precision
     small = np.full(D, 0.05, np.float32)                    # embedding-sized row -> all ones
     x = np.stack([sink, typical, small])
-    norm = RMSNorm(eps=1e-5)
-    params = {"params": {"scale": np.ones(D, np.float32)}}
+    params = {"scale": np.ones(D, np.float32)}
 
-    secure = _spu_apply(lambda p, x: norm.apply(p, x), params, x)
+    secure = _spu_apply(lambda p, x: rms_norm(p, x, 1e-5), params, x)
     assert secure[0, 507] == pytest.approx(24.0, rel=1e-2)
     assert np.max(np.abs(np.delete(secure[0], 507))) < 1e-2
     np.testing.assert_allclose(secure[1], typical / np.sqrt(np.mean(typical ** 2)), atol=1e-2)

@@ -96,7 +96,7 @@ def test_typed_config_validates_before_any_work():
     with pytest.raises(ValueError, match="--backend='gpu'"):
         CostConfig(backend="gpu")
     # A working set larger than a costed cache: refused at construction, not after `full`'s row.
-    reuse = (("r2", "mpcache", {"refresh_every": 2}),)
+    reuse = (("r2", "mpcache_exact", {"refresh_every": 2}),)
     with pytest.raises(ValueError, match="working set larger than the prompt's 64 tokens"):
         CostConfig(policies=reuse, budget=100, seq_lens=(64, 256))
     CostConfig(policies=reuse, budget=100, seq_lens=(128, 256))   # fits every length

@@ -13,6 +13,7 @@ from mpcache_jax.policies.base import PrunedLayer
 from mpcache_jax.policy import PrefillAux
 from mpcache_jax.extent import Extent
 from models import registry
+from models.model import decode_logits
 from tests.decode_helpers import teacher_forced_logits
 
 
@@ -41,7 +42,7 @@ _run = teacher_forced_logits
 def test_full_budget_equals_full_attention(tiny, similarity):
     model, params, tokens = tiny
     want, _ = _run(model, params, tokens, make_policy("full"), 120, 6)
-    policy = make_policy("mpcache", 1.0, similarity=similarity, **SMALL_LEVELS)
+    policy = make_policy("mpcache_exact", 1.0, similarity=similarity, **SMALL_LEVELS)
     got, _ = _run(model, params, tokens, policy, 120, 6)
     assert np.abs(got - want).max() <= 1e-5
 
@@ -49,7 +50,7 @@ def test_full_budget_equals_full_attention(tiny, similarity):
 def test_budget_changes_output_and_is_respected(tiny):
     model, params, tokens = tiny
     want, _ = _run(model, params, tokens, make_policy("full"), 120, 4)
-    policy = make_policy("mpcache", 24, static=True, static_keep=64, **SMALL_LEVELS)
+    policy = make_policy("mpcache_exact", 24, static=True, static_keep=64, **SMALL_LEVELS)
     got, cache = _run(model, params, tokens, policy, 120, 4)
     assert np.abs(got - want).max() > 1e-4  # eviction really happened
     layer = cache[0]
@@ -99,7 +100,7 @@ def test_cluster_static_eviction_keeps_whole_clusters():
 
 def test_model_scope_keeps_one_set_for_all_layers(tiny):
     model, params, tokens = tiny
-    policy = make_policy("mpcache", 40, static=True, dynamic=False, static_scope="model",
+    policy = make_policy("mpcache_exact", 40, static=True, dynamic=False, static_scope="model",
                          static_cluster=4, static_window=8, static_sinks=4, static_recent=4)
     _, cache = _run(model, params, tokens, policy, 120, 1)
     first = np.asarray(cache[0].k[:, : cache[0].kept])
@@ -118,14 +119,14 @@ def test_model_scope_keeps_one_set_for_all_layers(tiny):
 
 def test_auto_scope_selects_per_head_only_on_models_with_few_kv_heads():
     from mpcache_jax.policies.mpcache import AUTO_HEAD_MAX_KV_HEADS
-    policy = make_policy("mpcache", 0.1)
+    policy = make_policy("mpcache_exact", 0.1)
     assert policy.select_scope == "auto"
     assert policy.scope_for(3) == "head" and policy.scope_for(AUTO_HEAD_MAX_KV_HEADS) == "head"
     assert policy.scope_for(32) == "layer"
     assert policy.ranked_rows(2048, 32)[0] == 1 and policy.ranked_rows(2048, 3)[0] == 3
-    per_head_static = make_policy("mpcache", 0.1, static=True, static_scope="head")
+    per_head_static = make_policy("mpcache_exact", 0.1, static=True, static_scope="head")
     assert per_head_static.scope_for(32) == "head"
-    assert make_policy("mpcache", 0.1, select_scope="layer").scope_for(3) == "layer"
+    assert make_policy("mpcache_exact", 0.1, select_scope="layer").scope_for(3) == "layer"
 
 
 def test_cross_layer_sharing_schedule():
@@ -136,7 +137,7 @@ def test_cross_layer_sharing_schedule():
 
 def test_shared_layers_reuse_selection(tiny):
     model, params, tokens = tiny
-    policy = make_policy("mpcache", 16, static=True, static_keep=64, share_group=2,
+    policy = make_policy("mpcache_exact", 16, static=True, static_keep=64, share_group=2,
                          **SMALL_LEVELS)
     _, cache = _run(model, params, tokens, policy, 120, 1)
     q = jnp.asarray(np.random.RandomState(2).randn(model.cfg.num_heads, model.cfg.head_dim),
@@ -177,8 +178,8 @@ def test_finest_level_chooses_among_at_least_twice_its_budget(budget):
     """The default's coarse level (16-token clusters, 20% kept) hands the 4-token level at
     least 2x the budget at every budget. From 20% on, its keep ratio alone (the paper's rule,
     oversample=0) hands down hardly more than the 4-token level keeps: no choice left."""
-    policy = make_policy("mpcache", budget=budget)
-    plain = make_policy("mpcache", budget=budget, oversample=0)
+    policy = make_policy("mpcache_exact", budget=budget)
+    plain = make_policy("mpcache_exact", budget=budget, oversample=0)
     for prompt_len in (512, 1000, 2048):
         tokens = P.budget_tokens(budget, prompt_len)
         coarse, finest = policy.level_counts(prompt_len, tokens)
@@ -196,7 +197,7 @@ def test_finest_level_chooses_among_at_least_twice_its_budget(budget):
 
 def test_ratio_budget_too_small_for_forced_clusters(tiny):
     model, params, tokens = tiny
-    policy = make_policy("mpcache", 0.05)   # 6 tokens of 120 < 2 clusters of 4
+    policy = make_policy("mpcache_exact", 0.05)   # 6 tokens of 120 < 2 clusters of 4
     cache = model.init_cache(124)
     _, cache, aux = model.prefill(params, tokens[:120], cache, return_queries=True)
     with pytest.raises(ValueError, match="always-selected"):
@@ -207,14 +208,14 @@ def test_registry_rejects_unknown_names_and_options():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("orcale")
     with pytest.raises(ValueError, match="no option"):
-        make_policy("mpcache", 0.1, gamma=3)
+        make_policy("mpcache_exact", 0.1, gamma=3)
     assert "mpcache" in POLICY_NAMES and "full" in POLICY_NAMES
 
 
 def test_decode_compiles_once_per_policy(tiny):
     from models import model as model_module
     model, params, tokens = tiny
-    policy = make_policy("mpcache", 32, static_keep=64, **SMALL_LEVELS)
+    policy = make_policy("mpcache_exact", 32, static_keep=64, **SMALL_LEVELS)
     cache = model.init_cache(130)
     _, cache, aux = model.prefill(params, tokens[:120], cache, return_queries=True)
     cache = compress_cache(policy, cache, aux, 10)
@@ -393,7 +394,7 @@ def test_softmax_normalisations_agree_and_are_validated(tiny):
     with pytest.raises(ValueError, match="normalize"):
         attention.masked_softmax(scores, valid, normalize="sum")
     with pytest.raises(ValueError, match="softmax"):
-        make_policy("mpcache", 0.25, softmax="exp2")
+        make_policy("mpcache_exact", 0.25, softmax="exp2")
     # Decode logits do not depend on the normalisation (only the MPC cost does).
     for name in ("full", "mpcache"):
         model, params, tokens = tiny
@@ -412,7 +413,7 @@ def test_ranked_rows_are_the_rows_selection_ranks(tiny, options, monkeypatch):
     and the longest row that `select` actually hands to the top-k."""
     model, params, tokens = tiny
     T = 120
-    policy = make_policy("mpcache", 0.2, **options)
+    policy = make_policy("mpcache_exact", 0.2, **options)
     seen = []
     real_topk = P.topk_mask
 
@@ -423,8 +424,7 @@ def test_ranked_rows_are_the_rows_selection_ranks(tiny, options, monkeypatch):
     _, cache, aux = model.prefill(params, tokens[:T], cache, return_queries=True)
     cache = compress_cache(policy, cache, aux, 4)
     monkeypatch.setattr(P, "topk_mask", recording)   # the decode step's selection only
-    jax.eval_shape(lambda c: model.module.apply({"params": params}, tokens[T], T, c, policy,
-                                                method=type(model.module).decode), cache)
+    jax.eval_shape(lambda c: decode_logits(model, policy, params, tokens[T], T, c), cache)
     assert seen, "selection ranked nothing"
     rows, longest = policy.ranked_rows(T, model.cfg.num_kv_heads)
     layer_rows = {shape[:-1] for shape in seen}
@@ -449,9 +449,9 @@ def test_group_reduce_changes_the_selection_only_with_query_groups():
 
 # ----- temporal reuse: a working set gathered on refresh steps ------------------------------------
 def _reuse_pair(scope, refresh_every=3):
-    reuse = make_policy("mpcache", 16, select_scope=scope, refresh_every=refresh_every,
+    reuse = make_policy("mpcache_exact", 16, select_scope=scope, refresh_every=refresh_every,
                         **SMALL_LEVELS)
-    return reuse, make_policy("mpcache", 16, select_scope=scope, **SMALL_LEVELS)
+    return reuse, make_policy("mpcache_exact", 16, select_scope=scope, **SMALL_LEVELS)
 
 
 @pytest.mark.parametrize("scope", ["head", "layer"])
@@ -497,16 +497,16 @@ def test_reuse_selects_on_refresh_steps_and_keeps_the_working_set_between(scope)
 def test_reuse_with_whole_budget_equals_full_attention_and_compiles_once(tiny):
     model, params, tokens = tiny
     want, _ = _run(model, params, tokens, make_policy("full"), 120, 6)
-    policy = make_policy("mpcache", 1.0, refresh_every=4, **SMALL_LEVELS)
+    policy = make_policy("mpcache_exact", 1.0, refresh_every=4, **SMALL_LEVELS)
     got, _ = _run(model, params, tokens, policy, 120, 6, check_one_compile=True)
     assert np.abs(got - want).max() <= 1e-5
 
 
 def test_reuse_changes_outputs_only_between_refreshes(tiny):
     model, params, tokens = tiny
-    every, _ = _run(model, params, tokens, make_policy("mpcache", 24, **SMALL_LEVELS), 120, 6)
+    every, _ = _run(model, params, tokens, make_policy("mpcache_exact", 24, **SMALL_LEVELS), 120, 6)
     reuse, _ = _run(model, params, tokens,
-                    make_policy("mpcache", 24, refresh_every=6, **SMALL_LEVELS), 120, 6)
+                    make_policy("mpcache_exact", 24, refresh_every=6, **SMALL_LEVELS), 120, 6)
     assert np.abs(reuse[0] - every[0]).max() <= 1e-5     # step 0 selects in both
     assert np.abs(reuse[1:] - every[1:]).max() > 1e-4     # later steps keep step 0's choice
 
@@ -514,17 +514,17 @@ def test_reuse_changes_outputs_only_between_refreshes(tiny):
 @pytest.mark.parametrize("value", [0, -2, True, 1.5, "4"])
 def test_refresh_every_must_be_a_positive_integer(value):
     with pytest.raises(ValueError, match="refresh_every"):
-        make_policy("mpcache", 0.1, refresh_every=value)
+        make_policy("mpcache_exact", 0.1, refresh_every=value)
 
 
 def test_reuse_needs_a_dynamic_selection_and_a_budget_within_the_prompt(tiny):
     with pytest.raises(ValueError, match="refresh_every"):
-        make_policy("mpcache", 0.1, static=True, dynamic=False, refresh_every=4)
+        make_policy("mpcache_exact", 0.1, static=True, dynamic=False, refresh_every=4)
     model, params, tokens = tiny
     cache = model.init_cache(124)
     _, cache, aux = model.prefill(params, tokens[:120], cache)
     with pytest.raises(ValueError, match="working set larger than the prompt"):
-        compress_cache(make_policy("mpcache", 128, refresh_every=4, **SMALL_LEVELS), cache,
+        compress_cache(make_policy("mpcache_exact", 128, refresh_every=4, **SMALL_LEVELS), cache,
                        aux, 4)
 
 
@@ -532,7 +532,7 @@ def test_default_mpcache_keeps_the_dense_prompt_without_votes(tiny):
     """Without static eviction nothing votes: no prompt queries, and the prompt region of a
     bucketed prompt is the dense cache (no compaction) with the padding marked invalid."""
     model, params, tokens = tiny
-    policy = make_policy("mpcache", 0.2, **SMALL_LEVELS)
+    policy = make_policy("mpcache_exact", 0.2, **SMALL_LEVELS)
     assert not policy.needs_queries
     assert make_policy("mpcache_paper", 0.2).needs_queries
     cache = model.init_cache(136)

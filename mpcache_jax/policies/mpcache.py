@@ -250,7 +250,10 @@ class MPCache(PromptEvictionPolicy):
         return "layer"
 
     def selects(self, layer: int) -> bool:
-        """Whether `layer` runs its own selection (otherwise it reuses the previous one)."""
+        """Whether `layer` runs its own selection (otherwise it reuses the previous one).
+        Without sharing every layer selects (also when the layer loop traces the index)."""
+        if self.share_group == 1:
+            return True
         return layer < self.share_from or (layer - self.share_from) % self.share_group == 0
 
     def kept_count(self, prompt_len: int) -> int:

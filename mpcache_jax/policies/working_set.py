@@ -1,0 +1,465 @@
+"""MPCache's default: a working set of prompt clusters, selected every few decode steps and
+gathered once, attended whole in between.
+
+Per-step cost under MPC is designed to follow the budget, not the cache (docs/design.md, "The
+default's cost"). A decode step attends to
+
+  [ sink cluster | working set: S stripes x m clusters | recent window | generated tokens ]
+
+- the prompt's first cluster (attention sinks) and its last tokens (the recent window) sit at
+  public positions: they are read in place, never gathered;
+- the working set holds the clusters a selection chose, gathered into a compact buffer with
+  one-hot products. Selection happens on a public schedule (`refresh_every` decode steps, the
+  first decode step always): the steps between attend to the gathered buffer as it is;
+- a selection scores every middle cluster, ranks them and gathers the chosen clusters' keys
+  and values. The middle clusters are dealt round robin into S stripes (cluster j to stripe
+  j mod S) and each stripe keeps its best m: the gather's one-hot products then cost m x T x
+  row instead of k x T x row for a free choice of k = S m clusters (the multiply-accumulates
+  of an oblivious gather grow with its candidates per output row), and the ranking runs on S
+  rows of T / (S c) candidates at constant depth;
+- the softmax of a step runs over the sink, the working set, the recent window and the
+  generated tokens only, with its row max over a power-of-two count
+  (`attention.reduce_max`).
+
+Counts follow the prompt length t: the budget B(t) tokens (a ratio of t or a count) holds the
+sink cluster, S x c x m(t) selected tokens and the recent window (whatever the selection's
+whole clusters leave, at least `recent_min` tokens while selection runs). The cluster size c
+and the stripes S come from the power of two at or above t (`geometry`), so every prompt of a
+power-of-two bucket shares one layout and one compiled program; t itself may be a runtime
+value (bucketed prompts) through `mpcache_jax.extent`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpcache_jax import attention
+from mpcache_jax import extent as E
+from mpcache_jax import primitives as P
+from mpcache_jax.cache import LayerKV, append_token
+from mpcache_jax.policies.base import PromptEvictionPolicy, new_region, prompt_kv
+
+CLUSTER_SCORES = ("max", "mean")
+TOKEN_SCORES = ("auto", "dot", "cosine")
+SELECT_SCOPES = ("auto", "layer", "head")
+# select_scope="auto": one selection per KV head on models with at most this many KV heads
+# (SmolLM2's 3, Gemma 3's 1), else one per layer shared by its heads (a per-head selection
+# multiplies the ranking and the gather's rounds by the KV heads).
+AUTO_HEAD_MAX_KV_HEADS = 4
+# cluster_size=0: the cluster size is the geometry length (the power of two at or above the
+# prompt length) over this many candidate clusters, within [MIN_CLUSTER, MAX_CLUSTER].
+MIN_CLUSTER, MAX_CLUSTER = 8, 256
+
+
+def geometry_length(t: int) -> int:
+    """The power of two at or above t: prompts that share it share a layout."""
+    return 1 << max(0, (int(t) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The static layout of one prompt shape (a static length, or a bucket of lengths that
+    share `geometry_length`).
+
+    cluster: tokens per cluster (c); stripes: S; clusters: clusters tiling the prompt region
+    (cluster 0 is the sink); per_stripe: candidate slots of a stripe (n_b, the middle clusters
+    1 .. padded to S x n_b); picks: clusters a stripe keeps at most (m_max); recent: slots of
+    the recent window (its longest over the shape's lengths)."""
+
+    cluster: int
+    stripes: int
+    clusters: int
+    per_stripe: int
+    picks: int
+    recent: int
+
+    @property
+    def region(self) -> int:
+        return self.clusters * self.cluster
+
+    @property
+    def working(self) -> int:
+        """Slots of the working set: S x m_max clusters."""
+        return self.stripes * self.picks * self.cluster
+
+
+@flax.struct.dataclass
+class WorkingSetLayer:
+    """One layer's decode state.
+
+    k, v: [H_kv, C c, d] the prompt region (the dense prefill cache, padded to whole
+    clusters); digest: [H_kv, C, d] cluster mean keys (cluster_score="mean") or None;
+    inv_norms: [H_kv, C c] 1/|k| (cosine token scores) or None; working_k, working_v:
+    [H_kv, W, d] the gathered clusters (W = Geometry.working); picked: int32 [R, S m_max]
+    the middle cluster behind each working-set cluster (analysis only); new: LayerKV of the
+    generated tokens; prompt_len: static prompt slots; length: int32 [] real prompt tokens of
+    a bucketed prompt (None: static); low: the bucket's smallest length."""
+
+    k: jax.Array
+    v: jax.Array
+    digest: Any
+    inv_norms: Any
+    working_k: jax.Array
+    working_v: jax.Array
+    picked: jax.Array
+    new: LayerKV
+    prompt_len: int = flax.struct.field(pytree_node=False, default=0)
+    length: jax.Array | None = None
+    low: int = flax.struct.field(pytree_node=False, default=1)
+
+    def extent(self) -> E.Extent:
+        if self.length is None:
+            return E.Extent(self.prompt_len, self.prompt_len)
+        return E.Extent(self.prompt_len, self.length, self.low)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkingSetMPCache(PromptEvictionPolicy):
+    """MPCache's default (registered as `mpcache`; module docstring).
+
+    budget: prompt tokens attended per decode step (a ratio of the prompt, or a count).
+    refresh_every: decode steps between two selections (1 = every step); the schedule counts
+      generated tokens, so it is public.
+    cluster_size: tokens per cluster; 0 = the geometry length / `candidates` (bounded number
+      of candidates: the cluster grows with the prompt), within [8, 256].
+    candidates: clusters a prompt of the geometry length is cut into (cluster_size=0).
+    stripes: S, the rows the selection ranks (each keeps its best m clusters); 0 = as many
+      as the budget of the smallest prompt of the geometry length holds clusters, so m >= 1
+      for every prompt of a power-of-two bucket.
+    recent_min: tokens the recent window keeps at least while selection runs.
+    cluster_score: "max" (a cluster scores its best token: the step's q . k over every
+      middle token, then a max over each cluster) or "mean" (its mean key's q . k: one product
+      with C digests computed once at prefill).
+    token_score: "dot" (q . k), "cosine" (q . k / (|q| |k|)) or "auto" (cosine on models whose
+      keys are RMS-normalised per head (QK-norm: Gemma 3), dot otherwise); "max" only.
+    group_reduce: how a GQA group's query heads combine a token's score: "max" (best head)
+      or "sum"; a per-layer selection then sums over KV heads.
+    select_scope: "layer" (one selection shared by the layer's heads), "head" (one per KV
+      head) or "auto" (per head on models with at most 4 KV heads).
+    """
+
+    REQUIRED_HOOKS = ()
+    HOOKS = ()
+    # The stripes are small rows ranked at constant depth: always the pairwise rank.
+    TOPK_METHODS = ("rank",)
+
+    name: str = "mpcache"
+    topk_method: str = "rank"
+    refresh_every: int = 2
+    cluster_size: int = 0
+    candidates: int = 128
+    stripes: int = 0
+    recent_min: int = 32
+    cluster_score: str = "max"
+    token_score: str = "auto"
+    group_reduce: str = "max"
+    select_scope: str = "auto"
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, low in (("refresh_every", 1), ("candidates", 2), ("recent_min", 0),
+                          ("cluster_size", 0), ("stripes", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        if self.cluster_size and self.cluster_size < 2:
+            raise ValueError(f"cluster_size={self.cluster_size} must be >= 2 (or 0 for the "
+                             "size that follows the prompt length)")
+        if self.cluster_score not in CLUSTER_SCORES:
+            raise ValueError(f"cluster_score={self.cluster_score!r}; use one of {CLUSTER_SCORES}")
+        if self.token_score not in TOKEN_SCORES:
+            raise ValueError(f"token_score={self.token_score!r}; use one of {TOKEN_SCORES}")
+        if self.token_score == "cosine" and self.cluster_score != "max":
+            raise ValueError("token_score='cosine' scores single tokens: it needs "
+                             "cluster_score='max'")
+        if self.group_reduce not in ("max", "sum"):
+            raise ValueError(f"group_reduce={self.group_reduce!r}; use 'max' or 'sum'")
+        if self.select_scope not in SELECT_SCOPES:
+            raise ValueError(f"select_scope={self.select_scope!r}; use one of {SELECT_SCOPES}")
+        if self.topk_method not in self.TOPK_METHODS:
+            raise ValueError("this policy ranks its stripes with the pairwise rank "
+                             f"(topk_method='rank'), not {self.topk_method!r}")
+
+    # --- counts ------------------------------------------------------------------------------
+    def cluster_of(self, length: int) -> int:
+        """c for prompts of this geometry length."""
+        if self.cluster_size:
+            return self.cluster_size
+        return int(min(MAX_CLUSTER, max(MIN_CLUSTER, length // self.candidates)))
+
+    def stripes_of(self, length: int) -> int:
+        """S for prompts of this geometry length."""
+        if self.stripes:
+            return self.stripes
+        c = self.cluster_of(length)
+        smallest = length // 2 + 1 if length > 1 else 1
+        room = P.budget_tokens(self.budget, smallest) - min(c, smallest) - self.recent_min
+        return max(1, room // c)
+
+    def plan(self, t: int) -> tuple[int, int]:
+        """(m, recent start) for a prompt of t tokens: clusters each stripe keeps, and the
+        first slot of the recent window ([start, t) is attended as it is; a cluster boundary
+        when m > 0). m = 0: no selection (the budget holds the whole prompt, or too little
+        room is left for whole clusters)."""
+        L = geometry_length(t)
+        c, S = self.cluster_of(L), self.stripes_of(L)
+        B = P.budget_tokens(self.budget, t)
+        sink = min(c, t)
+        if B >= t:
+            return 0, sink
+        if B < sink:
+            raise ValueError(f"policy {self.name!r}: a budget of {B} tokens (prompt {t}) "
+                             f"cannot hold the sink cluster of {sink} tokens; raise the budget "
+                             "or set a smaller cluster_size")
+        m = max(0, (B - sink - self.recent_min) // (S * c))
+        while m > 0:
+            # The recent window starts at a cluster boundary and holds the last, partial
+            # cluster: the middle clusters before it are whole, and every stripe must hold m
+            # of them.
+            start = math.ceil((t - (B - sink - S * c * m)) / c) * c
+            if start <= t // c * c and (start // c - 1) // S >= m:
+                return m, start
+            m -= 1
+        return 0, max(sink, t - (B - sink))    # no selection: the budget's last tokens
+
+    def geometry(self, extent: E.Extent) -> Geometry:
+        """The static layout of this extent's prompt shape (`check_bucketed` makes sure that
+        a bucket's lengths share one)."""
+        low = extent.length if extent.static else extent.low
+        L = geometry_length(low)
+        c, S = self.cluster_of(L), self.stripes_of(L)
+        clusters = math.ceil(extent.capacity / c)
+        per_stripe = max(1, math.ceil((clusters - 1) / S))
+        lengths = [extent.length] if extent.static else range(extent.low, extent.capacity + 1)
+        plans = [self.plan(t) for t in lengths]
+        return Geometry(cluster=c, stripes=S, clusters=clusters, per_stripe=per_stripe,
+                        picks=max(1, max(m for m, _ in plans)),
+                        recent=max(max(t - start for t, (_, start) in zip(lengths, plans)), 1))
+
+    def counts(self, extent: E.Extent):
+        """(m, recent start) of this extent: ints, or int32 scalars for a runtime length."""
+        return (extent.count(lambda t: self.plan(t)[0], (self, "picks")),
+                extent.count(lambda t: self.plan(t)[1], (self, "recent_start")))
+
+    def kept_count(self, prompt_len: int) -> int:
+        """Nothing is evicted at prefill: the whole prompt stays in the region."""
+        return prompt_len
+
+    def check_prompt(self, prompt_len: int) -> None:
+        self.plan(prompt_len)
+
+    def check_bucketed(self, length: int, low: int, capacity: int) -> None:
+        if geometry_length(low) != geometry_length(capacity):
+            raise ValueError(f"policy {self.name!r} lays out prompts by the power of two at or "
+                             f"above their length: the bucket [{low}, {capacity}] spans "
+                             f"{geometry_length(low)} and {geometry_length(capacity)}; use "
+                             "bucket edges at powers of two")
+
+    def ranked_rows(self, prompt_len: int, num_kv_heads: int) -> tuple[int, int]:
+        """(rows, candidates per row) a selection ranks: S stripes per selecting row."""
+        geo = self.geometry(E.Extent(prompt_len, prompt_len))
+        rows = 1 if self.scope_for(num_kv_heads) == "layer" else num_kv_heads
+        return rows * geo.stripes, geo.per_stripe
+
+    def scope_for(self, num_kv_heads: int) -> str:
+        if self.select_scope != "auto":
+            return self.select_scope
+        return "head" if num_kv_heads <= AUTO_HEAD_MAX_KV_HEADS else "layer"
+
+    # --- the decode cache --------------------------------------------------------------------
+    def compress(self, cache, aux, max_new_tokens: int):
+        extent = E.of(aux)
+        if extent.static:
+            self.check_prompt(extent.length)
+        else:
+            self.check_bucketed(extent.low, extent.low, extent.capacity)
+        geo = self.geometry(extent)
+        T = extent.capacity
+        cosine = self.uses_cosine(aux)
+        valid = E.iota_lt(geo.region, extent.length)                       # [C c] public
+        out = []
+        for layer in cache:
+            k, v = (jnp.pad(x, ((0, 0), (0, geo.region - T), (0, 0)))
+                    for x in prompt_kv(layer, T))
+            Hkv, _, d = k.shape
+            rows = 1 if self.scope_for(Hkv) == "layer" else Hkv
+            digest = None
+            if self.cluster_score == "mean":
+                w = jnp.asarray(valid, k.dtype).reshape(1, geo.clusters, geo.cluster, 1)
+                total = jnp.sum(k.reshape(Hkv, geo.clusters, geo.cluster, d) * w, axis=2)
+                digest = total / jnp.maximum(jnp.sum(w, axis=2), 1.0)
+            zeros = jnp.zeros((Hkv, geo.working, d), k.dtype)
+            out.append(WorkingSetLayer(
+                k, v, digest, P.inverse_norms(k) if cosine else None, zeros, zeros,
+                jnp.zeros((rows, geo.stripes * geo.picks), jnp.int32),
+                new_region(layer, max_new_tokens), prompt_len=T,
+                length=None if extent.static else extent.length, low=extent.low))
+        return tuple(out)
+
+    def uses_cosine(self, aux) -> bool:
+        if self.cluster_score != "max":
+            return False
+        return self.token_score == "cosine" or (self.token_score == "auto"
+                                                and bool(aux.normalized_keys))
+
+    def free_slots(self, cache) -> int:
+        new = cache[0].new
+        return int(new.capacity - new.length)
+
+    # --- selection -----------------------------------------------------------------------------
+    def cluster_scores(self, q: jax.Array, state: WorkingSetLayer, geo: Geometry) -> jax.Array:
+        """[R, C] every cluster's score for this step's query q [H, d]."""
+        Hkv, S_, d = state.k.shape
+        G = q.shape[0] // Hkv
+        qg = q.reshape(Hkv, G, d) * (1.0 / math.sqrt(d))
+        per_layer = self.scope_for(Hkv) == "layer"
+        if self.cluster_score == "mean":
+            # linear in q: the group's queries are summed first, one product with the digests
+            if per_layer:
+                return jnp.einsum("hd,hcd->c", jnp.sum(qg, axis=1), state.digest)[None]
+            return jnp.einsum("hd,hcd->hc", jnp.sum(qg, axis=1), state.digest)
+        cosine = state.inv_norms is not None
+        if cosine:
+            qg = P.unit_rows(qg)
+        if self.group_reduce == "sum" or G == 1:
+            if per_layer and not cosine:
+                token = jnp.einsum("hd,htd->t", jnp.sum(qg, axis=1), state.k)[None]   # [1, T]
+            else:
+                token = jnp.einsum("hd,htd->ht", jnp.sum(qg, axis=1), state.k)        # [H_kv, T]
+        else:
+            token = jnp.max(jnp.einsum("hgd,htd->hgt", qg, state.k), axis=1)           # [H_kv, T]
+        if cosine:
+            token = token * state.inv_norms
+        if per_layer and token.shape[0] > 1:
+            token = jnp.sum(token, axis=0, keepdims=True)
+        return jnp.max(token.reshape(token.shape[0], geo.clusters, geo.cluster), axis=-1)
+
+    def select(self, q: jax.Array, state: WorkingSetLayer, geo: Geometry, m, start):
+        """This step's choice: integer one-hot [R, S, m_max, n_b] over each stripe's candidate
+        slots (rows past m zero), and the middle cluster of each picked row [R, S m_max]."""
+        S, n = geo.stripes, geo.per_stripe
+        scores = self.cluster_scores(q, state, geo)[:, 1:]                  # middle clusters
+        R, C_mid = scores.shape
+        scores = jnp.pad(scores, ((0, 0), (0, S * n - C_mid)))
+        index = np.arange(S * n).reshape(n, S).T                              # [S, n] public
+        middle = start // geo.cluster - 1                    # middle clusters before the window
+        valid = ((index < middle).astype(np.float32) if isinstance(middle, (int, np.integer))
+                 else (jnp.asarray(index) < middle).astype(scores.dtype))
+        striped = scores.reshape(R, n, S).transpose(0, 2, 1)                  # [R, S, n]
+        onehot = P.topk_onehot(striped, m, geo.picks, valid=valid)            # [R, S, m, n]
+        picked = jnp.einsum("rsmn,sn->rsm", onehot, jnp.asarray(index, jnp.int32))
+        return onehot, picked.reshape(R, S * geo.picks)
+
+    def gather(self, onehot: jax.Array, state: WorkingSetLayer, geo: Geometry):
+        """The picked clusters' keys and values -> ([H_kv, W, d], [H_kv, W, d]).
+
+        One batched product per stripe (per stripe and KV head for a per-head selection):
+        [m_max, n_b] x [n_b, c row]. A selection shared by the heads moves every head's rows
+        at once (heads folded into the row width)."""
+        Hkv, _, d = state.k.shape
+        S, n, c, m = geo.stripes, geo.per_stripe, geo.cluster, geo.picks
+        R = onehot.shape[0]
+        kv = jnp.concatenate([state.k, state.v], axis=-1)                     # [H_kv, C c, 2d]
+        mid = kv.reshape(Hkv, geo.clusters, c * 2 * d)[:, 1:]
+        mid = jnp.pad(mid, ((0, 0), (0, S * n - mid.shape[1]), (0, 0)))
+        mid = mid.reshape(Hkv, n, S, c * 2 * d).transpose(0, 2, 1, 3)       # [H_kv, S, n, c 2d]
+        if R == 1:
+            rows = mid.transpose(1, 2, 0, 3).reshape(S, n, Hkv * c * 2 * d)
+            out = P.gather_rows(onehot[0], rows, loop=True)                  # [S, m, H_kv c 2d]
+            out = out.reshape(S, m, Hkv, c, 2 * d).transpose(2, 0, 1, 3, 4)
+        else:
+            out = P.gather_rows(onehot, mid, loop=True).reshape(Hkv, S, m, c, 2 * d)
+        out = out.reshape(Hkv, S * m * c, 2 * d)
+        return out[..., :d], out[..., d:]
+
+    def working_valid(self, geo: Geometry, m):
+        """[W] 0/1: working-set slots of rows below m (public: m counts from the length)."""
+        row = np.repeat(np.tile(np.arange(geo.picks), geo.stripes), geo.cluster)
+        if isinstance(m, (int, np.integer)):
+            return (row < m).astype(np.float32)
+        return (jnp.asarray(row) < m).astype(jnp.float32)
+
+    # --- decoding ------------------------------------------------------------------------------
+    def refresh(self, layer, q, state: WorkingSetLayer) -> WorkingSetLayer:
+        """A new working set for this step (the public schedule decides when:
+        `refresh_every`); a `lax.cond` on a public predicate runs one branch on XLA and SPU."""
+        extent = state.extent()
+        geo = self.geometry(extent)
+        m, start = self.counts(extent)
+        if isinstance(m, (int, np.integer)) and m == 0:
+            return state
+
+        def fresh():
+            onehot, picked = self.select(q, state, geo, m, start)
+            return (*self.gather(onehot, state, geo), picked)
+        if self.refresh_every == 1:
+            k, v, picked = fresh()
+        else:
+            # (only the working set goes through the branch: under vmap a batched predicate
+            # turns it into a select of its outputs)
+            due = state.new.length % self.refresh_every == 0
+            k, v, picked = jax.lax.cond(
+                due, fresh, lambda: (state.working_k, state.working_v, state.picked))
+        return state.replace(working_k=k, working_v=v, picked=picked)
+
+    def attend(self, layer, q, k_new, v_new, state: WorkingSetLayer, carry):
+        state = self.refresh(layer, q, state)
+        new = append_token(state.new, k_new, v_new)
+        extent = state.extent()
+        geo = self.geometry(extent)
+        m, start = self.counts(extent)
+        c, r = geo.cluster, geo.recent
+        if isinstance(start, (int, np.integer)):
+            begin = min(start, geo.region - r)
+            recent_k, recent_v = (x[:, begin:begin + r] for x in (state.k, state.v))
+            slots = np.arange(begin, begin + r)
+            recent_valid = ((slots >= start) & (slots < extent.length)).astype(np.float32)
+            sink_valid = (np.arange(c) < min(c, extent.length)).astype(np.float32)
+        else:
+            begin = jnp.minimum(start, geo.region - r)
+            recent_k, recent_v = (jax.lax.dynamic_slice_in_dim(x, begin, r, axis=1)
+                                  for x in (state.k, state.v))
+            slots = begin + jnp.arange(r)
+            recent_valid = ((slots >= start) & (slots < extent.length)).astype(jnp.float32)
+            sink_valid = (jnp.arange(c) < jnp.minimum(c, extent.length)).astype(jnp.float32)
+        parts_k = [state.k[:, :c], state.working_k, recent_k, new.k]
+        parts_v = [state.v[:, :c], state.working_v, recent_v, new.v]
+        parts_valid = [sink_valid, self.working_valid(geo, m), recent_valid, new.valid()]
+        if all(isinstance(x, np.ndarray) for x in parts_valid[:3]):
+            valid = jnp.concatenate([jnp.asarray(np.concatenate(parts_valid[:3])),
+                                     parts_valid[3]])
+        else:
+            valid = jnp.concatenate([jnp.asarray(x, jnp.float32) for x in parts_valid])
+        out = attention.decode_attention(q, jnp.concatenate(parts_k, axis=1),
+                                         jnp.concatenate(parts_v, axis=1), valid, self.softmax)
+        return out, state.replace(new=new), carry
+
+    # --- analysis --------------------------------------------------------------------------------
+    def prompt_keep(self, cache, aux):
+        """Nothing is evicted at prefill: every real prompt token stays (mechanism probes)."""
+        extent = E.of(aux)
+        return [(jnp.asarray(extent.valid()),) + self.layer_count(extent, len(cache), index)
+                for index in range(len(cache))]
+
+    def attended_slots(self, layer, q, state: WorkingSetLayer, carry) -> jax.Array:
+        """0/1 [H_kv, C c]: the prompt-region slots this step attends to (analysis)."""
+        state = self.refresh(layer, q, state)
+        extent = state.extent()
+        geo = self.geometry(extent)
+        m, start = self.counts(extent)
+        Hkv = state.k.shape[0]
+        slots = jnp.arange(geo.region)
+        cluster = slots // geo.cluster
+        attended = (cluster == 0) | ((slots >= start) & (slots < extent.length))
+        rows = jnp.repeat(jnp.arange(geo.picks)[None], geo.stripes, 0).reshape(-1)
+        live = rows < m                                                     # [S m_max]
+        chosen = state.picked + 1                                           # prompt clusters
+        hit = (cluster[None, None, :] == chosen[..., None]) & live[None, :, None]
+        per_row = attended[None] | jnp.any(hit, axis=1)                     # [R, C c]
+        return jnp.broadcast_to(per_row, (Hkv, geo.region)).astype(jnp.int32)

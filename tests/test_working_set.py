@@ -1,0 +1,157 @@
+"""The default policy (`mpcache`: working_set.py) on hand-made caches: its counts keep to the
+budget, its selection is each stripe's best clusters, its attention equals attending to the
+gathered tokens, and it selects only on its public schedule."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mpcache_jax import attention
+from mpcache_jax import extent as E
+from mpcache_jax import primitives as P
+from mpcache_jax.cache import empty_layer, fill_prefix
+from mpcache_jax.policies import make_policy
+from mpcache_jax.policies.working_set import geometry_length
+from mpcache_jax.policy import PrefillAux
+
+
+@pytest.mark.parametrize("budget", [0.05, 0.1, 0.2, 0.5, 64, 300])
+def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget):
+    policy = make_policy("mpcache", budget)
+    for t in list(range(40, 600, 7)) + [1024, 2047, 2048, 4096, 8192]:
+        B = P.budget_tokens(budget, t)
+        try:
+            m, start = policy.plan(t)
+        except ValueError as err:                      # only when the sink alone is too much
+            assert "sink cluster" in str(err) and B < policy.cluster_of(geometry_length(t))
+            continue
+        L = geometry_length(t)
+        c, S = policy.cluster_of(L), policy.stripes_of(L)
+        assert min(c, t) <= start <= t
+        attended = min(c, t) + S * m * c + (t - start)
+        assert attended <= B or B >= t and attended == t, (t, B, m, start)
+        if m:    # whole middle clusters before a cluster-aligned window; m in every stripe
+            assert start % c == 0 and start <= t // c * c and (start // c - 1) // S >= m
+        extent = E.Extent(t, t)
+        geo = policy.geometry(extent)
+        assert geo.picks >= max(m, 1) and geo.recent >= t - start
+    assert make_policy("mpcache", 0.1).plan(2048)[0] >= 1     # the default selects at 2k
+    assert make_policy("mpcache", 0.1).plan(1025)[0] >= 1     # and at the bucket's smallest
+
+
+def _layer(policy, T, max_new, seed=0, Hkv=2, d=8):
+    rng = np.random.RandomState(seed)
+    k = rng.randn(Hkv, T, d).astype(np.float32)
+    v = rng.randn(Hkv, T, d).astype(np.float32)
+    dense = fill_prefix(empty_layer(Hkv, T + max_new, d), jnp.asarray(k), jnp.asarray(v))
+    state = policy.compress((dense,), PrefillAux(None, T), max_new)[0]
+    return state, k, v
+
+
+def _reference_clusters(policy, q, k, T):
+    """The clusters a selection picks, by brute force: token scores max / sum as configured,
+    cluster maxima, middle clusters dealt round robin into stripes, each stripe's best m."""
+    L = geometry_length(T)
+    c, S = policy.cluster_of(L), policy.stripes_of(L)
+    m, start = policy.plan(T)
+    Hkv, _, d = k.shape
+    G = q.shape[0] // Hkv
+    qg = q.reshape(Hkv, G, d) / np.sqrt(d)
+    scores = np.einsum("hgd,htd->hgt", qg, k)                      # [H_kv, G, T]
+    token = scores.max(1) if policy.group_reduce == "max" else scores.sum(1)
+    if policy.scope_for(Hkv) == "layer":
+        token = token.sum(0, keepdims=True)
+    chosen = []
+    for row in token:
+        clusters = [row[i * c:(i + 1) * c].max() for i in range(1, start // c)]
+        picked = set()
+        for s in range(S):
+            members = list(range(s, len(clusters), S))
+            best = sorted(members, key=lambda j: (-clusters[j], j))[:m]
+            picked |= {j + 1 for j in best}
+        chosen.append(picked)
+    return chosen
+
+
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_selection_is_each_stripes_best_clusters(scope):
+    policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
+                         select_scope=scope, refresh_every=1)
+    T = 90
+    state, k, v = _layer(policy, T, 4)
+    rng = np.random.RandomState(5)
+    geo = policy.geometry(E.Extent(T, T))
+    m, start = policy.plan(T)
+    assert m >= 2
+    for trial in range(5):
+        q = rng.randn(4, k.shape[-1]).astype(np.float32)
+        onehot, picked = policy.select(jnp.asarray(q), state, geo, m, start)
+        got = [set((np.asarray(row) + 1).tolist()) for row in np.asarray(picked)]
+        assert got == _reference_clusters(policy, q, k, T)
+
+
+def test_attention_equals_attending_to_the_gathered_tokens():
+    """Per KV head (select_scope="auto" with 2 KV heads): the sink, the head's selected
+    clusters, the recent window and the generated tokens, nothing else."""
+    policy = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
+                         refresh_every=1)
+    T, new = 70, 3
+    state, k, v = _layer(policy, T, new + 1)
+    m, start = policy.plan(T)
+    assert m >= 1 and policy.scope_for(2) == "head"
+    rng = np.random.RandomState(2)
+    for step in range(new):
+        q = rng.randn(4, k.shape[-1]).astype(np.float32)
+        k_new, v_new = rng.randn(2, 2, k.shape[-1]).astype(np.float32)
+        want = []
+        for head, clusters in enumerate(_reference_clusters(policy, q, k, T)):
+            slots = sorted({s for c in clusters for s in range(4 * c, 4 * c + 4)} |
+                           set(range(4)) | set(range(start, T)))
+            assert len(slots) <= 40
+            keys = np.concatenate([k[head, slots], np.asarray(state.new.k[head, :step]),
+                                   k_new[head, None]])
+            vals = np.concatenate([v[head, slots], np.asarray(state.new.v[head, :step]),
+                                   v_new[head, None]])
+            want.append(attention.decode_attention(
+                jnp.asarray(q[2 * head:2 * head + 2]), jnp.asarray(keys[None]),
+                jnp.asarray(vals[None]), jnp.ones(keys.shape[0])))
+        out, state, _ = policy.attend(0, jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new),
+                                      state, None)
+        np.testing.assert_allclose(np.asarray(out), np.concatenate(want), atol=1e-5)
+
+
+def test_between_refreshes_the_working_set_stays():
+    """refresh_every=3: steps 0, 3, 6 select (whatever the query), the others keep the last
+    working set even when their query would choose differently."""
+    policy = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
+                         refresh_every=3)
+    state, k, v = _layer(policy, 70, 8)
+    rng = np.random.RandomState(3)
+    picks, working = [], []
+    for step in range(7):
+        q = rng.randn(4, k.shape[-1]).astype(np.float32) * 3
+        _, state, _ = policy.attend(0, jnp.asarray(q), jnp.zeros((2, 8)), jnp.zeros((2, 8)),
+                                    state, None)
+        picks.append(np.asarray(state.picked))
+        working.append(np.asarray(state.working_k))
+    for step in range(1, 7):
+        same = np.array_equal(working[step], working[step - 1])
+        assert same == (step % 3 != 0), step
+    assert not all(np.array_equal(picks[0], p) for p in picks[3::3])
+
+
+def test_bad_settings_and_buckets_are_refused_with_the_setting_named():
+    with pytest.raises(ValueError, match="refresh_every=0 must be an integer >= 1"):
+        make_policy("mpcache", 0.1, refresh_every=0)
+    with pytest.raises(ValueError, match="cluster_score='best'"):
+        make_policy("mpcache", 0.1, cluster_score="best")
+    with pytest.raises(ValueError, match="cluster_size=1 must be >= 2"):
+        make_policy("mpcache", 0.1, cluster_size=1)
+    with pytest.raises(ValueError, match="token_score='cosine' scores single tokens"):
+        make_policy("mpcache", 0.1, token_score="cosine", cluster_score="mean")
+    with pytest.raises(ValueError, match="cannot hold the sink cluster of 16"):
+        make_policy("mpcache", 10).check_prompt(2048)
+    with pytest.raises(ValueError, match=r"the bucket \[100, 300\] spans 128 and 512; use "
+                                         "bucket edges at powers of two"):
+        make_policy("mpcache", 0.1).check_bucketed(150, 100, 300)
+    make_policy("mpcache", 0.1).check_bucketed(1100, 1025, 1536)
