@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -145,18 +146,18 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "f
         proc.wait()
         proc = subprocess.Popen([str(binary), spec.to_json()], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE)
-        port = json.loads(proc.stdout.readline())["backend_port"]
-    else:
-        port = backend.getsockname()[1]
-    backend.shutdown(socket.SHUT_RDWR)    # wakes its accepting thread: the port is free
+        json.loads(proc.stdout.readline())
+    backend.shutdown(socket.SHUT_RDWR)    # wakes its accepting thread
     backend.close()     # replaced by one that answers each frame
-    answering = socket.create_server(("127.0.0.1", port))
+    os.unlink(spec.backend_path)
+    answering = socket.socket(socket.AF_UNIX)
+    answering.bind(spec.backend_path)
+    answering.listen()
     frames = [forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % i, b"x" * value_bytes, seq=i)
               for i in range(1, rounds + 2)]
 
     def answer():
         conn, _ = answering.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         got, whole = 0, len(frames[0])
         while data := conn.recv(1 << 20):
             got += len(data)
@@ -190,13 +191,12 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "f
               "cpu_us_per_round_trip": round((after["cpu_s"] - before["cpu_s"]) / rounds * 1e6, 1),
               "wall_us_per_round_trip": round(wall / rounds * 1e6, 1)}
     if relay == "front.py":
-        ledger = front.PeerLedger()
+        book, conn = front.UnfinishedBook(spec.max_buffered_bytes, 2), front.ConnLedger()
 
         def check():
             push = front.parse_frame(frames[1], spec.max_frame_bytes)
             front.check_push(push, bound_rank=0, my_rank=1, link_id=b"test.3pc.run",
-                             max_message_bytes=spec.max_message_bytes,
-                             max_buffered_bytes=spec.max_buffered_bytes, ledger=ledger)
+                             max_message_bytes=spec.max_message_bytes, book=book, conn=conn)
         result["checks_us_per_frame"] = round(
             min(timeit.repeat(check, number=2000, repeat=5)) / 2000 * 1e6, 1)
     return result
