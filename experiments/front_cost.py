@@ -7,9 +7,10 @@ door").
                                      [--job=JSON] [--floor] [--front_py]
     python -m experiments.front_cost OUTPUT_DIR --relay [--floor]   # per round trip, no parties
 
---against: a git revision without the fronts (default: the commit before them); it is checked
-out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without --against
-(`--against=none`), one run of this checkout only. --shape: link.shape (e.g. lan).
+--against: a git revision without the fronts (default: the commit before them), or an earlier
+one with them (its front in C, if it has one, is built from its own source for its runs); it
+is checked out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without
+--against (`--against=none`), one run of this checkout only. --shape: link.shape (e.g. lan).
 --job: overrides of the job, e.g. '{"model": "llama2-d1024", "seq_len": 1024,
 "max_new_tokens": 4, "prefill": "clear", "timeout_s": 1800}'. --floor: a third run in each
 pair, every front replaced by experiments/bare_relay.c (a relay in C that forwards bytes and
@@ -109,6 +110,27 @@ def baseline_checkout(rev: str, out: pathlib.Path) -> pathlib.Path:
                              f"({made.stderr.strip()[-300:]}); give a revision of this "
                              "repository, or --against=none")
     return path
+
+
+def baseline_fast_front(checkout: pathlib.Path, out: pathlib.Path) -> dict:
+    """The environment that gives a baseline checkout its own front in C: built from its
+    fast_front.c into OUTPUT_DIR (with the .sha256 its front.py checks), so that it does not
+    fall back to its front.py because the installed build is this checkout's; {} when it has
+    none (before the front in C) or cannot be built."""
+    import hashlib
+    source = checkout / "runtime" / "distributed" / "fast_front.c"
+    if not source.exists():
+        return {}
+    binary = out / f"fast_front_{checkout.name}"
+    made = subprocess.run(["cc", "-O2", "-pthread", "-o", str(binary), str(source),
+                           "-lcrypto"], capture_output=True, text=True)
+    if made.returncode != 0:
+        print(f"the baseline's front in C was not built ({made.stderr[-300:]}); it runs its "
+              "front.py", file=sys.stderr)
+        return {}
+    pathlib.Path(f"{binary}.sha256").write_text(
+        hashlib.sha256(source.read_bytes()).hexdigest() + "\n")
+    return {"MPCACHE_FAST_FRONT": str(binary)}
 
 
 def build_bare_relay(out: pathlib.Path) -> pathlib.Path:
@@ -238,7 +260,7 @@ def main(argv: list[str]) -> int:
     job = dict(harness.TINY_JOB, policy="full", policy_options={}, budget=None, max_new_tokens=8,
                seq_len=32)
     job.update(overrides)
-    out = args.output_dir
+    out = args.output_dir.resolve()     # the runs start in each checkout's folder
     out.mkdir(parents=True, exist_ok=True)
     if args.relay:
         from runtime.distributed.front import FAST_FRONT_NAME, build_fast_front
@@ -260,7 +282,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(run_once(REPO, out / "front_0", job, shape)))
         return 0
     base = baseline_checkout(args.against, out)
-    arms = [("before", base, {}), ("front", REPO, {})]
+    arms = [("before", base, baseline_fast_front(base, out)), ("front", REPO, {})]
     if args.front_py:
         from runtime.distributed.front import FAST_FRONT_ENV
         arms.append(("front.py", REPO, {FAST_FRONT_ENV: "off"}))
