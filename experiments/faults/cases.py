@@ -751,6 +751,23 @@ def party_cases() -> list:
             "" if drops >= 2 else f"{drops} dropped frames logged (expected 2)",
             "" if results else "no results.jsonl") if x)
 
+    def first_event(folder, party, kind) -> str:
+        from runtime.distributed.party import front_events, front_events_path
+        events = [e for e in front_events(front_events_path(folder / "out", party))[0]
+                  if e["kind"].startswith(kind)]
+        if not events:
+            return f"(no {kind!r} event at {party})"
+        e = events[0]
+        who = f"{e['node']} ({e['address']})" if e.get("node") else e["address"]
+        return f"[party {party}] front: {e['kind']} from {who}: {e['why']}"
+
+    def ports_summary(folder):
+        found = later.get("found", {})
+        tcp = ", ".join(f"{p} {h}:{n}" for p, f in found.items() for h, n in f["tcp"])
+        drop = first_event(folder, "node:0", "dropped").split(": ", 2)[-1]
+        return (f"every party exits 0; TCP listeners: {tcp} (the public ports; brpc on "
+                f"Unix sockets); node:0's front dropped: {drop}")
+
     flood_sockets: list = []
 
     def flood_node0(procs):
@@ -804,6 +821,15 @@ def party_cases() -> list:
                 pass
         later["tried"] = tried
 
+    def flood_summary(folder):
+        from runtime.distributed.party import flood_message, front_events_path
+        return (f"every party exits 0; node:0's front: "
+                f"{flood_message(front_events_path(folder / 'out', 'node:0'))}")
+
+    def writers_summary(folder):
+        return (f"every party exits 0, no peer dropped a frame. "
+                f"{first_event(folder, 'node:0', 'refused a local connection')}")
+
     def nothing_left_with_node0s_name(folder):
         from runtime.distributed.party import front_events, front_events_path
         out = folder / "out"
@@ -842,14 +868,15 @@ def party_cases() -> list:
                     "only the two public ports listen; both fronts drop the chunk; the run "
                     "completes (every party exits 0, results written)", two_first(),
                     parties3, (), fault=push_2_40_to_every_port, fault_after="] linking to",
-                    judge_exit=0, check=only_public_ports, timeout_s=240),
+                    judge_exit=0, check=only_public_ports, timeout_s=240,
+                    summary=ports_summary),
         PartiesCase("flood: 260 connections before node:2 starts", "node:0 and node:1 "
                     "started; 260 connections send node:0's port b'PRPC' and nothing more; "
                     "then node:2 starts (the run died, node:0 and node:1 blaming each other, "
                     "before)", "the run completes (every party exits 0); node:0's front "
                     "names the flood: '127.0.0.1 held 260 connections without a hello'",
                     two_first(), parties3, (), fault=flood_node0, fault_after="] linking to",
-                    judge_exit=0, check=flood_named, timeout_s=240),
+                    judge_exit=0, check=flood_named, timeout_s=240, summary=flood_summary),
         PartiesCase("tls: local writers to the front's sockets", "under TLS, once linked, a "
                     "local process writes a Push claiming rank 0 to every socket of node:0's "
                     "front: its public port and its outbound sockets (the outbound ports "
@@ -861,7 +888,8 @@ def party_cases() -> list:
                                                          180, procs),
                         write_to_every_local_socket(procs)),
                     fault_after="] linking to", judge_exit=0,
-                    check=nothing_left_with_node0s_name, timeout_s=240),
+                    check=nothing_left_with_node0s_name, timeout_s=240,
+                    summary=writers_summary),
         PartiesCase("forge: a Push under the run's link key", "once linked, a local process "
                     "sends node:1 one well-formed Push claiming rank 0 under this run's link "
                     "id with message number 60 (yacl then dropped node:0's real message 60 as "

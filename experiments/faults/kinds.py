@@ -149,6 +149,8 @@ class PartiesCase:
     say_in: str = "all"
     clock: str = ""
     timeout_s: float = 150.0
+    # What the table shows when no judge printed an error (a run meant to complete).
+    summary: Callable[[pathlib.Path], str] | None = None
 
     def run(self, ctx: Context) -> Observed:
         folder = ctx.case_dir(self.name)
@@ -184,6 +186,8 @@ class PartiesCase:
         ok = ok and not note
         shown = " / ".join(f"{p}: {'running' if c is None else c}" for p, c in codes.items())
         first = lines[saying[0] if saying else self.judges[0]]
+        if not first and self.summary is not None:
+            first = self.summary(folder)
         took = None if start is None else t_end - start
         return Observed(shown, first, took, ok, note, {"fault": "after the fault", "linking":
                                                        "after linking began",
