@@ -136,6 +136,18 @@ def remove_private_dir(path: str | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# The private directory this worker made itself (no supervisor made one): removed on exit.
+_OWN_PRIVATE_DIR: list[str] = []
+
+
+def exit_now(code: int) -> None:
+    """Leave the process at once (os._exit: the link's threads may be blocked), removing the
+    private directory this worker made for itself (a supervisor removes the one it made)."""
+    for path in _OWN_PRIVATE_DIR:
+        remove_private_dir(path)
+    os._exit(code)
+
+
 # ----- the front door (front.py) -------------------------------------------------------------
 
 class AddressInUse(RuntimeError):
@@ -749,7 +761,7 @@ class Watchdog:
         print(f"[party {self.party_id}] error: {message}", file=sys.stderr, flush=True)
         if linger_s:
             time.sleep(linger_s)
-        os._exit(EXIT_PEER)  # the link threads may be blocked: leave at once
+        exit_now(EXIT_PEER)  # the link threads may be blocked: leave at once
 
     def _loop(self) -> None:
         down_since: dict[str, float] = {}
@@ -863,6 +875,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
     if not private_dir:
         import atexit
         private_dir = make_private_dir(party_id)
+        _OWN_PRIVATE_DIR.append(private_dir)
         atexit.register(remove_private_dir, private_dir)
     front = start_front(config, party_id, out, private_dir)
     # From the first second: TLS faults of any peer end this party at once; peers get
@@ -960,7 +973,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
         log(party_id, f"tokens {result.tokens}; {len(records)} records in {results}")
     # No stop_link: its shutdown messages race with peers that have already left, and a
     # failed send makes yacl end the process. Linger so in-flight acknowledgements complete,
-    # then the caller exits the process (experiments.party uses os._exit).
+    # then the caller exits the process (experiments.party uses exit_now).
     time.sleep(LINGER_S)
     return record
 
