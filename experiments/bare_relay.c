@@ -7,8 +7,9 @@
    and enforces nothing.
 
    What it shares with the front: the command line (one argument, the FrontSpec JSON of
-   front.py, of which it reads listen_host, listen_port, party and hello_key), the start-up
-   line ({"ready": true, "backend_port": P, "outbound": {}}), the answer to the fronts' hello
+   front.py, of which it reads listen_host, listen_port, party, hello_key and private_dir),
+   brpc's Unix socket in the party's private directory (private_dir/brpc.sock), the start-up
+   line ({"ready": true, "backend": PATH, "outbound": {}}), the answer to the fronts' hello
    (HMAC-SHA256 keyed by hello_key, so that the parties' liveness probes pass), and the
    "stats" line on stdin (answered with this process's CPU seconds). Plain TCP only.
 
@@ -28,6 +29,7 @@
 #include <sys/epoll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -43,7 +45,7 @@ typedef struct Side {
 } Side;
 
 static unsigned char hello_key[32];
-static struct sockaddr_in backend = {.sin_family = AF_INET};
+static struct sockaddr_un backend = {.sun_family = AF_UNIX};
 static int ep;
 static char party[128];
 static long reads;
@@ -114,7 +116,7 @@ static void set_options(int fd);
 /* brpc's side of an inbound connection, once its first bytes are not a hello; -1 if brpc
    does not listen yet (the peer retries). */
 static int open_backend(Side *in) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
     if (connect(fd, (struct sockaddr *)&backend, sizeof backend)) {
         close(fd);
         return -1;
@@ -173,12 +175,14 @@ static Side *new_side(int fd, int hello) {
 
 int main(int argc, char **argv) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);     /* never outlive the party that started it */
-    char host[256], key_hex[65];
+    char host[256], key_hex[65], private_dir[96];
     const char *port_at = argc == 2 ? strstr(argv[1], "\"listen_port\": ") : NULL;
     if (!port_at || json_string(argv[1], "listen_host", host, sizeof host)
         || json_string(argv[1], "party", party, sizeof party)
-        || json_string(argv[1], "hello_key", key_hex, sizeof key_hex) || strlen(key_hex) != 64)
-        return fail("usage: bare_relay FRONT_SPEC_JSON (listen_host, listen_port, party, hello_key)");
+        || json_string(argv[1], "hello_key", key_hex, sizeof key_hex) || strlen(key_hex) != 64
+        || json_string(argv[1], "private_dir", private_dir, sizeof private_dir))
+        return fail("usage: bare_relay FRONT_SPEC_JSON (listen_host, listen_port, party, "
+                    "hello_key, private_dir)");
     for (int i = 0; i < 32; i++) {
         int b = hex_byte(key_hex + 2 * i);
         if (b < 0) return fail("hello_key is not hex");
@@ -197,14 +201,9 @@ int main(int argc, char **argv) {
     }
     freeaddrinfo(ai);
     set_options(listener);
-    /* The backend port: a free loopback port for brpc (front.free_port). */
-    backend.sin_addr.s_addr = htonl(0x7f000001);
-    socklen_t size = sizeof backend;
-    int probe = socket(AF_INET, SOCK_STREAM, 0);
-    bind(probe, (struct sockaddr *)&backend, sizeof backend);
-    getsockname(probe, (struct sockaddr *)&backend, &size);
-    close(probe);
-    printf("{\"ready\": true, \"backend_port\": %d, \"outbound\": {}}\n", ntohs(backend.sin_port));
+    /* brpc's socket in the party's private directory (front.FrontSpec.backend_path). */
+    snprintf(backend.sun_path, sizeof backend.sun_path, "%s/brpc.sock", private_dir);
+    printf("{\"ready\": true, \"backend\": \"%s\", \"outbound\": {}}\n", backend.sun_path);
     fflush(stdout);
 
     ep = epoll_create1(0);

@@ -7,9 +7,10 @@ door").
                                      [--job=JSON] [--floor] [--front_py]
     python -m experiments.front_cost OUTPUT_DIR --relay [--floor]   # per round trip, no parties
 
---against: a git revision without the fronts (default: the commit before them); it is checked
-out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without --against
-(`--against=none`), one run of this checkout only. --shape: link.shape (e.g. lan).
+--against: a git revision without the fronts (default: the commit before them), or an earlier
+one with them (its front in C, if it has one, is built from its own source for its runs); it
+is checked out as a worktree under OUTPUT_DIR and run with this venv's interpreter. Without
+--against (`--against=none`), one run of this checkout only. --shape: link.shape (e.g. lan).
 --job: overrides of the job, e.g. '{"model": "llama2-d1024", "seq_len": 1024,
 "max_new_tokens": 4, "prefill": "clear", "timeout_s": 1800}'. --floor: a third run in each
 pair, every front replaced by experiments/bare_relay.c (a relay in C that forwards bytes and
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -110,6 +112,27 @@ def baseline_checkout(rev: str, out: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def baseline_fast_front(checkout: pathlib.Path, out: pathlib.Path) -> dict:
+    """The environment that gives a baseline checkout its own front in C: built from its
+    fast_front.c into OUTPUT_DIR (with the .sha256 its front.py checks), so that it does not
+    fall back to its front.py because the installed build is this checkout's; {} when it has
+    none (before the front in C) or cannot be built."""
+    import hashlib
+    source = checkout / "runtime" / "distributed" / "fast_front.c"
+    if not source.exists():
+        return {}
+    binary = out / f"fast_front_{checkout.name}"
+    made = subprocess.run(["cc", "-O2", "-pthread", "-o", str(binary), str(source),
+                           "-lcrypto"], capture_output=True, text=True)
+    if made.returncode != 0:
+        print(f"the baseline's front in C was not built ({made.stderr[-300:]}); it runs its "
+              "front.py", file=sys.stderr)
+        return {}
+    pathlib.Path(f"{binary}.sha256").write_text(
+        hashlib.sha256(source.read_bytes()).hexdigest() + "\n")
+    return {"MPCACHE_FAST_FRONT": str(binary)}
+
+
 def build_bare_relay(out: pathlib.Path) -> pathlib.Path:
     """Compile experiments/bare_relay.c into OUTPUT_DIR (cc and OpenSSL's libcrypto)."""
     source = REPO / "experiments" / "bare_relay.c"
@@ -145,18 +168,18 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "f
         proc.wait()
         proc = subprocess.Popen([str(binary), spec.to_json()], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE)
-        port = json.loads(proc.stdout.readline())["backend_port"]
-    else:
-        port = backend.getsockname()[1]
-    backend.shutdown(socket.SHUT_RDWR)    # wakes its accepting thread: the port is free
+        json.loads(proc.stdout.readline())
+    backend.shutdown(socket.SHUT_RDWR)    # wakes its accepting thread
     backend.close()     # replaced by one that answers each frame
-    answering = socket.create_server(("127.0.0.1", port))
+    os.unlink(spec.backend_path)
+    answering = socket.socket(socket.AF_UNIX)
+    answering.bind(spec.backend_path)
+    answering.listen()
     frames = [forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % i, b"x" * value_bytes, seq=i)
               for i in range(1, rounds + 2)]
 
     def answer():
         conn, _ = answering.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         got, whole = 0, len(frames[0])
         while data := conn.recv(1 << 20):
             got += len(data)
@@ -190,13 +213,12 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "f
               "cpu_us_per_round_trip": round((after["cpu_s"] - before["cpu_s"]) / rounds * 1e6, 1),
               "wall_us_per_round_trip": round(wall / rounds * 1e6, 1)}
     if relay == "front.py":
-        ledger = front.PeerLedger()
+        book, conn = front.UnfinishedBook(spec.max_buffered_bytes, 2), front.ConnLedger()
 
         def check():
             push = front.parse_frame(frames[1], spec.max_frame_bytes)
             front.check_push(push, bound_rank=0, my_rank=1, link_id=b"test.3pc.run",
-                             max_message_bytes=spec.max_message_bytes,
-                             max_buffered_bytes=spec.max_buffered_bytes, ledger=ledger)
+                             max_message_bytes=spec.max_message_bytes, book=book, conn=conn)
         result["checks_us_per_frame"] = round(
             min(timeit.repeat(check, number=2000, repeat=5)) / 2000 * 1e6, 1)
     return result
@@ -238,7 +260,7 @@ def main(argv: list[str]) -> int:
     job = dict(harness.TINY_JOB, policy="full", policy_options={}, budget=None, max_new_tokens=8,
                seq_len=32)
     job.update(overrides)
-    out = args.output_dir
+    out = args.output_dir.resolve()     # the runs start in each checkout's folder
     out.mkdir(parents=True, exist_ok=True)
     if args.relay:
         from runtime.distributed.front import FAST_FRONT_NAME, build_fast_front
@@ -260,7 +282,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(run_once(REPO, out / "front_0", job, shape)))
         return 0
     base = baseline_checkout(args.against, out)
-    arms = [("before", base, {}), ("front", REPO, {})]
+    arms = [("before", base, baseline_fast_front(base, out)), ("front", REPO, {})]
     if args.front_py:
         from runtime.distributed.front import FAST_FRONT_ENV
         arms.append(("front.py", REPO, {FAST_FRONT_ENV: "off"}))

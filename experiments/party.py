@@ -95,7 +95,8 @@ def main(argv):
         # that has already exited, and yacl ends the process (status 255) when that fails.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        from runtime.distributed.party import exit_now
+        exit_now(0)
     except NodeConfigError as err:
         print(f"[party {who}] error: bad node config: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)

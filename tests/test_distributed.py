@@ -617,10 +617,12 @@ def test_a_certificate_for_the_wrong_node_is_refused_naming_both(tmp_path, varia
 
 
 def test_a_refused_tls_handshake_is_named(tmp_path):
-    """node:2's certificate is signed by another CA: the others name it, node:2 names the
+    """node:2's certificate is signed by another CA (and node:2 skips the check at load that
+    would refuse it, as a party running other code can): the others name it, node:2 names the
     peer that refused it; seconds, not job.timeout_s."""
     path = write(tmp_path, tls_config(tmp_path, other_ca_for="node:2"))
-    plan = {p: (path, None) for p in PARTIES3}
+    plan = {p: (path, harness.SKIP_OWN_CERT_CHECK if p == "node:2" else None)
+            for p in PARTIES3}
     codes, lines, elapsed = run_parties(tmp_path, plan, PARTIES3)
     assert all(codes[p] == 3 for p in PARTIES3), (codes, lines)
     for p in ("node:0", "node:1"):
@@ -712,6 +714,63 @@ def test_the_front_drops_a_hostile_frame_and_names_the_peer(tmp_path, name, requ
     assert observed.passed, (observed.error, observed.note)
 
 
+def _quick(case):
+    """A scenario row as the tests run it: the byte-every-8-s connection at a 2 s deadline and
+    a byte every 1.6 s (the table's row waits out the real 10 s)."""
+    if case.name.endswith("one byte every 8 s"):
+        import dataclasses
+        return dataclasses.replace(case, scenario=cases._trickle(b"P", 1.6),
+                                   spec_overrides={"frame_deadline_s": 2.0})
+    return case
+
+
+SCENARIO_CASES = {case.name: _quick(case) for case in cases.front_scenario_cases()}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIO_CASES))
+def test_the_front_holds_slow_and_flooding_peers_and_local_writers(tmp_path, name, request):
+    """The fault cases of the front's own rules (experiments/faults/cases.py,
+    front_scenario_cases) against a real front process, front.py and the front in C: a hello
+    or frame not whole within its deadline is closed, saying so; a flood of connections
+    without a hello cannot keep a peer out and is counted by source; each connection has its
+    own budget of unfinished messages; under TLS the outbound socket serves the worker only."""
+    case = SCENARIO_CASES[name]
+    ctx = kinds.Context(tmp_path, request.getfixturevalue("fast_front") if case.fast else None)
+    observed = case.run(ctx)
+    assert observed.passed, (observed.error, observed.note)
+
+
+NEW_CONFIG_CASES = {case.name: case for case in cases.config_cases() if case.name in (
+    "config: certificate from another CA", "config: key of another certificate",
+    "config: node missing from node_ids", "config: cert path is a directory",
+    "config: cert path is /dev/zero")}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_CONFIG_CASES))
+def test_a_config_that_would_fail_at_run_time_fails_at_load(tmp_path, name):
+    """A certificate the CA did not sign, a key of another certificate, a node outside
+    node_ids, a certificate path that is a directory or a device: exit 2 at load, one line
+    naming the field, before any party starts."""
+    observed = NEW_CONFIG_CASES[name].run(kinds.Context(tmp_path))
+    assert observed.passed, (observed.error, observed.note)
+
+
+SIDE_DOOR_CASES = {case.name: case for case in cases.party_cases() if case.name.split(":")[0]
+                   in ("side door", "flood", "forge") or case.name.startswith("tls: local")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SIDE_DOOR_CASES))
+def test_no_side_door_no_starving_flood_and_forgeries_named(tmp_path, name):
+    """Real parties: a local process that pushes a 2^40-byte chunk to every TCP port the
+    parties' processes listen on finds only the public ports, and the run completes; so does
+    a run whose node:0 gets 260 connections without a hello before node:2 starts (the flood
+    named); under TLS, writes to node:0's outbound sockets are refused and reach no peer; a
+    Push forged under the run's link key stops the run at once, naming the forgery."""
+    observed = SIDE_DOOR_CASES[name].run(kinds.Context(tmp_path))
+    assert observed.passed, (observed.error, observed.note)
+
+
 def test_front_parses_the_frames_spu_sends():
     """A Push as SPU 0.9.5 frames it (a chunk of a 3 MB message, read off the wire) parses to
     its rank, key, chunk length and offset; a header alone waits for the body."""
@@ -722,12 +781,13 @@ def test_front_parses_the_frames_spu_sends():
             push.chunk_offset, push.frame_bytes) == (2, b"l.run:P2P-7:2->0", 100, 3000, 200,
                                                      len(frame))
     assert front.parse_frame(bytearray(frame[:20]), 1 << 20) is None
-    ledger = front.PeerLedger()
-    rules = dict(bound_rank=2, my_rank=0, link_id=b"l.run", max_message_bytes=4000,
-                 max_buffered_bytes=5000, ledger=ledger)
+    book, conn = front.UnfinishedBook(5000, 2), front.ConnLedger()
+    rules = dict(bound_rank=2, my_rank=0, link_id=b"l.run", max_message_bytes=4000, book=book,
+                 conn=conn)
     front.check_push(push, **rules)
-    assert ledger.buffered == 3000
-    with pytest.raises(front.FrameError, match="unfinished messages of 6,000 bytes"):
+    assert (conn.count, conn.bytes, book.total_bytes) == (1, 3000, 3000)
+    with pytest.raises(front.FrameError, match="unfinished messages of 6,000 bytes in flight "
+                                               "on this connection"):
         front.check_push(front.parse_frame(bytearray(forge.forge_frame(
             2, b"l.run:P2P-8:2->0", b"z", message_length=3000)), 1 << 20), **rules)
     with pytest.raises(front.FrameError, match="restating its message's length"):
@@ -766,39 +826,21 @@ def test_front_reads_frames_as_protobuf_and_yacl_would():
     full = forge.forge_frame(0, key)
     with pytest.raises(front.FrameError, match="field 1 declares 48 bytes, 1 remain"):
         parse(full[:8] + struct.pack(">I", 3) + full[12:])
-    ledger = front.PeerLedger()
+    book, conn = front.UnfinishedBook(1 << 20, 2), front.ConnLedger()
     rules = dict(bound_rank=0, my_rank=1, link_id=b"l.run", max_message_bytes=1 << 20,
-                 max_buffered_bytes=1 << 20, ledger=ledger)
+                 book=book, conn=conn)
     for i in range(front.MAX_UNFINISHED_MESSAGES):
         front.check_push(parse(forge.forge_frame(0, b"l.run:P2P-%d:0->1" % i, b"",
                                                  message_length=1)), **rules)
-    with pytest.raises(front.FrameError, match="65 unfinished chunked messages in flight, over "
-                                               "the per-peer cap of 64"):
+    with pytest.raises(front.FrameError, match="65 unfinished chunked messages in flight on "
+                                               "this connection, over the per-connection cap "
+                                               "of 64"):
         front.check_push(parse(forge.forge_frame(0, b"l.run:P2P-99:0->1", b"",
                                                  message_length=1)), **rules)
     nonce = bytes(range(16))
     assert front.parse_hello(front.hello_request(nonce)) == nonce
     spaced = front.hello_request(nonce).replace(nonce.hex()[:2].encode(), b" 0", 1)
     assert len(spaced) == front.HELLO_REQUEST_BYTES and front.parse_hello(spaced) is None
-
-
-def test_the_front_in_c_closes_connections_that_say_nothing(tmp_path, fast_front):
-    """A connection that sends no first bytes is closed after 10 s (it would otherwise hold
-    one of the C front's connection slots for good); the front still answers the hello."""
-    import socket
-    proc, spec, backend, _ = forge.start_test_front(tmp_path, free_ports(1)[0],
-                                                    fast_front=fast_front)
-    try:
-        with socket.create_connection(("127.0.0.1", spec.listen_port)) as idle:
-            idle.settimeout(30)
-            start = time.monotonic()
-            assert idle.recv(10) == b""
-            assert 9 < time.monotonic() - start < 20
-        assert forge.front_answers_hello(spec, None)
-    finally:
-        proc.kill()
-        proc.wait()
-        backend.close()
 
 
 def _mutated_frame_cases(rng, count: int) -> list[bytes]:
@@ -879,53 +921,117 @@ def _mutated_frame_cases(rng, count: int) -> list[bytes]:
     return cases
 
 
+def _ledger_streams() -> dict[str, list[bytes]]:
+    """Connections, one after the other, that fill the book of unfinished messages: each
+    connection's own caps (count, bytes), a message a closed connection left that a later one
+    finishes or restates, and the caps of all connections together (the fault another
+    connection's or, once, the connection's own)."""
+    serial = iter(range(10_000))
+
+    def unfinished(length, n=1, value=b""):
+        return b"".join(forge.forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % j, value,
+                                          message_length=length, seq=j)
+                        for j in (next(serial) + 1 for _ in range(n)))
+
+    def numbered(seq, counter):
+        return forge.forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % counter, b"v", seq=seq)
+
+    def part(j, value, length, offset):
+        return forge.forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % j, value,
+                                 message_length=length, chunk_offset=offset, seq=j)
+    return {
+        "own caps, resumed": [unfinished(1, 65), unfinished(4096, 4),
+                              part(9001, b"a" * 5, 10, 0), part(9001, b"b" * 5, 10, 5),
+                              part(9002, b"c" * 5, 10, 0), part(9002, b"d" * 5, 11, 5)],
+        "all together, another's": [unfinished(4096, 3) for _ in range(3)] + [unfinished(4096)],
+        "all together, its own": [unfinished(4096) for _ in range(7)] + [unfinished(4096, 3)],
+        "all together, count": [unfinished(1, 64) for _ in range(3)] + [unfinished(1)],
+        # A message number that comes back: under its own key (a retry), in a slot another
+        # number took since, under another key (a second sender for the rank).
+        "numbers": [numbered(60, 60), numbered(60, 60), numbered(60, 56),
+                    numbered(60 + 4096, 9), numbered(60, 57),
+                    numbered(61, 61) + numbered(61, 62),
+                    numbered(10 ** 20 - 1, 5) + numbered(10 ** 20 - 1, 6)],
+    }
+
+
+def _py_verdicts(spec, cases: list[bytes]) -> list[str]:
+    """front.py's verdicts on `cases`, each the bytes of a new connection that then closes."""
+    import types
+    from runtime.distributed import front
+    reference = front.Front(spec)
+    out = []
+    for i, data in enumerate(cases):
+        conn = types.SimpleNamespace(node=None, ledger=None,
+                                     unfinished=front.ConnLedger(f"case {i}"))
+        at, err = reference.check_frames(conn, memoryview(data))
+        tag = ("(forged) " if err.kind == front.FORGED else "(anonymous) " if err.anonymous
+               else "") if err else ""
+        out.append(f"{at} error: {tag}{err}" if err else f"{at} waits")
+        reference.book.close(conn.unfinished)
+    return out
+
+
 def test_the_front_in_c_gives_front_py_verdicts(fast_front, tmp_path):
     """A differential fuzz: thousands of forged and mutated connections' bytes read by
     fast_front.c (--check) and by front.py's Front.check_frames give the same verdict (bytes
-    that pass, and the same error message), with the peers' ledgers carried across cases; the
-    same again from a build with AddressSanitizer and UndefinedBehaviorSanitizer, where cc
-    has them, which must not report anything."""
+    that pass, and the same error message, naming the connection or not), with the book of
+    unfinished messages carried across connections; then connections that fill that book to
+    each cap; the same again from a build with AddressSanitizer and UndefinedBehaviorSanitizer,
+    where cc has them, which must not report anything."""
     import random
-    import types
     from runtime.distributed import front
-    cases_ = _mutated_frame_cases(random.Random(2026), 3000)
-    # Then messages left unfinished until the per-peer caps (bytes, then count) are reached.
-    cases_ += [forge.forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % (1000 + j), b"",
-                                 message_length=4096 if j < 4 else 1, seq=1000 + j)
-               for j in range(80)]
     spec = front.FrontSpec(
         party="node:1", rank=1, listen_host="127.0.0.1", listen_port=1, link_id="test.3pc.run",
         peers={"node:2": {"rank": 2}, "node:0": {"rank": 0}}, hello_key="00" * 32,
         max_frame_bytes=(1 << 20) + (64 << 10), max_message_bytes=4096,
-        max_buffered_bytes=12_288, events_path="/dev/null")
-    reference = front.Front(spec, 0)
-    want = []
-    for data in cases_:
-        at, err = reference.check_frames(types.SimpleNamespace(node=None, ledger=None),
-                                         memoryview(data))
-        want.append(f"{at} error: {err}" if err else f"{at} waits")
-    args = [str(fast_front), "--check", "0", spec.party, "1", spec.link_id, spec.hello_key,
-            str(spec.max_frame_bytes), str(spec.max_message_bytes), str(spec.max_buffered_bytes),
-            spec.events_path, "node:2", "2", "node:0", "0"]
-    stream = b"".join(struct.pack(">I", len(d)) + d for d in cases_)
+        max_buffered_bytes=12_288, events_path="/dev/null", private_dir="/nonexistent")
+    streams = {"mutated": _mutated_frame_cases(random.Random(2026), 3000), **_ledger_streams()}
     sanitized = tmp_path / "fast_front_sanitized"
     built = subprocess.run(["cc", "-O1", "-g", "-fsanitize=address,undefined",
                             "-fno-sanitize-recover=all", "-pthread", "-o", str(sanitized),
                             str(front.FAST_FRONT_SOURCE), "-lcrypto"], capture_output=True)
-    for binary in [fast_front] + ([sanitized] if built.returncode == 0 else []):
-        done = subprocess.run([str(binary)] + args[1:], input=stream, capture_output=True,
-                              timeout=300)
-        assert done.returncode == 0 and not done.stderr, (binary, done.stderr[-2000:])
-        got = done.stdout.decode().splitlines()
-        assert len(got) == len(want)
-        differ = [(i, cases_[i][:120], w, g) for i, (w, g) in enumerate(zip(want, got))
-                  if w != g]
-        assert not differ, (binary, differ[:5])
-    # Not vacuous: many kinds of error, and frames passing.
-    kinds_of_error = {re.sub(r"[\d,]+|b'.*?'|b\".*?\"", "N", w.split("error: ", 1)[1])
-                      for w in want if "error: " in w}
+    verdicts = {}
+    for name, cases_ in streams.items():
+        want = verdicts[name] = _py_verdicts(spec, cases_)
+        stream = b"".join(struct.pack(">I", len(d)) + d for d in cases_)
+        for binary in [fast_front] + ([sanitized] if built.returncode == 0 else []):
+            done = subprocess.run([str(binary), "--check"] + front.fast_front_args(spec),
+                                  input=stream, capture_output=True, timeout=300)
+            assert done.returncode == 0 and not done.stderr, (binary, done.stderr[-2000:])
+            got = done.stdout.decode().splitlines()
+            assert len(got) == len(want)
+            differ = [(i, cases_[i][:120], w, g) for i, (w, g) in enumerate(zip(want, got))
+                      if w != g]
+            assert not differ, (name, binary, differ[:5])
+    # Not vacuous: many kinds of error, and frames passing; each cap of the book reached.
+    every = [w for stream in verdicts.values() for w in stream]
+    kinds_of_error = {re.sub(r"[\d,]+|b'.*?'|b\".*?\"|case N.*", "N", w.split("error: ", 1)[1])
+                      for w in every if "error: " in w}
     assert len(kinds_of_error) >= 29, sorted(kinds_of_error)
-    assert sum(int(w.split()[0]) > 0 for w in want) >= 250
+    assert sum(int(w.split()[0]) > 0 for w in verdicts["mutated"]) >= 150
+    caps = verdicts["own caps, resumed"]
+    assert "65 unfinished chunked messages in flight on this connection" in caps[0]
+    assert "unfinished messages of 16,384 bytes in flight on this connection" in caps[1]
+    assert caps[2:5] == [f"{n} waits" for n in (len(x) for x in
+                                                _ledger_streams()["own caps, resumed"][2:5])]
+    assert "restating its message's length as 11 (first 10)" in caps[5]
+    assert verdicts["all together, another's"][-1].startswith(
+        "0 error: (anonymous) 10 unfinished chunked messages (40,960 bytes) at this party, over "
+        "its total of 192 messages / 36,864 bytes for all connections together; the most, "
+        "12,288 bytes in 3, from case 0 (node:0), closed")
+    own = verdicts["all together, its own"][-1]
+    assert "error: 10 unfinished" in own and "from case 7 (node:0)" in own and "closed" not in own
+    assert "193 unfinished chunked messages" in verdicts["all together, count"][-1]
+    numbers = verdicts["numbers"]
+    assert [v.split()[1] for v in numbers] == ["waits"] * 2 + ["error:"] + ["waits"] * 2 + [
+        "error:"] * 2
+    assert numbers[2] == (
+        "0 error: (forged) message 60 of rank 0 under the key b'test.3pc.run:P2P-56:0->1' on "
+        "case 2 (node:0), after it came under the key b'test.3pc.run:P2P-60:0->1' on case 0 "
+        "(node:0): two connections claim rank 0, and yacl keeps the first")
+    assert "(forged) message 61 of rank 0" in numbers[5]
+    assert "(forged) message 99999999999999999999 of rank 0" in numbers[6]
 
 
 def test_front_holds_a_peer_to_the_throttle_window_of_unread_messages():
@@ -935,7 +1041,8 @@ def test_front_holds_a_peer_to_the_throttle_window_of_unread_messages():
     from runtime.distributed import front
     ledger = front.PeerLedger()
     rules = dict(bound_rank=0, my_rank=1, link_id=b"l.run", max_message_bytes=1 << 20,
-                 max_buffered_bytes=2 << 20, ledger=ledger, max_unread=3)
+                 book=front.UnfinishedBook(2 << 20, 2), conn=front.ConnLedger(), peer=ledger,
+                 max_unread=3)
 
     def deliver(seq, **chunk):
         frame = forge.forge_frame(0, f"l.run:P2P-{seq}:0->1".encode(), b"v" * 10, seq=seq,
@@ -1047,7 +1154,8 @@ def test_a_shaping_front_relays_every_frame_intact(tmp_path):
     proc, spec, backend, received = forge.start_test_front(
         tmp_path, free_ports(1)[0], spec_overrides={"delay_s": 0.02, "rate_bytes_s": 2e6})
     try:
-        frames = [forge.forge_frame(0, f"test.3pc.run:P2P-{i}:0->1".encode(), bytes([i]) * 3000)
+        frames = [forge.forge_frame(0, f"test.3pc.run:P2P-{i}:0->1".encode(), bytes([i]) * 3000,
+                                    seq=i + 1)
                   for i in range(20)]
         with socket.create_connection(("127.0.0.1", spec.listen_port)) as sock:
             for frame in frames:
@@ -1071,10 +1179,12 @@ def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkey
     from runtime.distributed import party as party_lib
     monkeypatch.setenv(party_lib.FRONT_PROGRAM_ENV, str(build_bare_relay(tmp_path)))
     config = load_node_config(write(tmp_path, node_config(3, "ABY3")))
-    handle = party_lib.start_front(config, "node:1", tmp_path)
+    handle = party_lib.start_front(config, "node:1", tmp_path, forge.private_dir())
     try:
         assert party_lib.probe(config, "node:0", "node:1").state == party_lib.ALIVE
-        with socket.create_server(("127.0.0.1", handle.backend_port)) as brpc:
+        with socket.socket(socket.AF_UNIX) as brpc:
+            brpc.bind(handle.backend)
+            brpc.listen()
             host, _, port = config.address("node:1").rpartition(":")
             with socket.create_connection((host, int(port)), timeout=10) as peer:
                 peer.sendall(b"PRPC" + bytes(range(200)))

@@ -11,9 +11,13 @@ import signal
 import time
 from typing import Callable
 
-from experiments.faults.forge import SEND_PICKLE, SEND_WRONG_SHAPE, forge_frame, pb_field, sending
-from experiments.faults.harness import SKIP_OWN_CERT_CHECK, issue_cert, log_text, make_ca, make_certs, node_config, tag, tls_section
-from experiments.faults.kinds import CliCase, ConfigCase, FrontCase, LauncherSignalCase, PartiesCase, WireCase
+from experiments.faults.forge import (SEND_PICKLE, SEND_WRONG_SHAPE, forge_frame,
+                                     front_answers_hello, pb_field, sending)
+from experiments.faults.harness import (SKIP_OWN_CERT_CHECK, issue_cert, log_text, make_ca,
+                                       make_certs, node_config, tag, tls_section,
+                                       wait_for_log)
+from experiments.faults.kinds import (CliCase, ConfigCase, FrontCase, FrontScenarioCase,
+                                     LauncherSignalCase, PartiesCase, WireCase)
 
 
 def front_cases() -> list:
@@ -105,6 +109,230 @@ def front_cases() -> list:
     # The plain-TCP cases again against the front in C that front.py runs in its place.
     return python_front + [dataclasses.replace(case, name="fast " + case.name, fast=True)
                            for case in python_front if not case.tls]
+
+
+# ----- the front door: slow and flooding peers, ledgers, its local sockets ----------------------
+
+def _line(front, event: dict) -> str:
+    who = f"{event['node']} ({event['address']})" if event.get("node") else event["address"]
+    return f"[party {front.spec.party}] front: {event['kind']} from {who}: {event['why']}"
+
+
+def _wait_closed(sock, timeout: float) -> float | None:
+    """Seconds until the peer closes `sock` (None: still open after `timeout`)."""
+    start = time.monotonic()
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return None
+    except OSError:
+        pass
+    return time.monotonic() - start
+
+
+def _trickle(first: bytes, period: float):
+    """A connection that sends `first`, then one byte of a frame header every `period`
+    seconds; passes when the front closes it within its deadline, saying so."""
+    def scenario(front):
+        import socket
+        import threading
+        deadline = front.spec.frame_deadline_s
+        sock = socket.create_connection(("127.0.0.1", front.spec.listen_port))
+        sock.sendall(first)
+        stop = threading.Event()
+
+        def drip():
+            rest = forge_frame(0, b"test.3pc.run:P2P-2:0->1")[len(first) % 4:]
+            for byte in rest:
+                if stop.wait(period):
+                    return
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    return
+        threading.Thread(target=drip, daemon=True).start()
+        took = _wait_closed(sock, deadline + period + 10)
+        stop.set()
+        sock.close()
+        time.sleep(0.3)
+        events = [e for e in front.events() if "closed a" in e["kind"]]
+        line = _line(front, events[-1]) if events else ""
+        ok = took is not None and took <= deadline + 1.5 and bool(events) and (
+            f"within {deadline:g} s" in line)
+        return ok, line, "" if took is None else f"closed after {took:.1f} s"
+    return scenario
+
+
+def _slow_second_frame(front):
+    """A whole first frame, then the next one a byte at a time: closed at the deadline of the
+    second frame, the first relayed."""
+    import socket
+    deadline = front.spec.frame_deadline_s
+    good = forge_frame(0, b"test.3pc.run:P2P-1:0->1", seq=1)
+    sock = socket.create_connection(("127.0.0.1", front.spec.listen_port))
+    sock.sendall(good)
+    time.sleep(0.5)
+    nxt = forge_frame(0, b"test.3pc.run:P2P-2:0->1", seq=2)
+    start = time.monotonic()
+    for byte in nxt[:20]:
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            break
+        if time.monotonic() - start > deadline + 2:
+            break
+        time.sleep(deadline / 8)
+    took = _wait_closed(sock, deadline + 5)
+    sock.close()
+    time.sleep(0.3)
+    events = [e for e in front.events() if e["kind"] == "closed a slow connection"]
+    line = _line(front, events[-1]) if events else ""
+    ok = (bool(events) and b"".join(front.received) == good
+          and f"a frame not whole within {deadline:g} s of its first byte" in line)
+    return ok, line, "first frame relayed" if b"".join(front.received) == good else \
+        "the first frame did not reach brpc"
+
+
+def _flood(front):
+    """260 connections that say b"PRPC" and nothing more, then a peer with a whole frame and
+    a probe's hello: the peer's frame reaches brpc; every flooding connection is closed, and
+    the front's events count them for the source address."""
+    import socket
+    from runtime.distributed.party import flood_message
+    spec = front.spec
+    flood = []
+    for _ in range(260):
+        s = socket.create_connection(("127.0.0.1", spec.listen_port))
+        s.sendall(b"PRPC")
+        flood.append(s)
+    good = forge_frame(0, b"test.3pc.run:P2P-1:0->1", seq=1)
+    peer = socket.create_connection(("127.0.0.1", spec.listen_port))
+    peer.sendall(good)
+    limit = time.monotonic() + 5
+    while b"".join(front.received) != good and time.monotonic() < limit:
+        time.sleep(0.02)
+    relayed = b"".join(front.received) == good
+    hello = front_answers_hello(spec, None)
+    time.sleep(spec.frame_deadline_s + 2)      # the rest closed at their deadline, counted
+    still_open = sum(_wait_closed(s, 0.01) is None for s in flood)
+    for s in flood:
+        s.close()
+    peer.close()
+    message = flood_message(pathlib.Path(spec.events_path)) or ""
+    ok = (relayed and hello and not still_open
+          and message.startswith("127.0.0.1 held 260 connections without a hello"))
+    note = ", ".join(x for x in ("the peer's frame relayed" if relayed else "the peer's frame "
+                                 "NOT relayed", "hello answered" if hello else "hello NOT "
+                                 "answered", f"{still_open} flooding connections open")
+                     if x)
+    return ok, message, note
+
+
+def _ledgers(front):
+    """As rank 0, one connection leaves 64 tiny messages unfinished; the real rank 0's
+    chunked message on another connection still passes whole; once the first closes, a third
+    connection has a budget of its own."""
+    import socket
+    spec = front.spec
+    seq = iter(range(1, 1000))
+
+    def tiny(n):
+        return b"".join(forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % j, b"", message_length=1,
+                                    seq=j) for j in (next(seq) for _ in range(n)))
+    j = next(seq)
+    whole = (forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % j, b"a" * 5, message_length=10,
+                         seq=j)
+             + forge_frame(0, b"test.3pc.run:P2P-%d:0->1" % j, b"b" * 5, message_length=10,
+                           chunk_offset=5, seq=j))
+    sent = b""
+    squatter = socket.create_connection(("127.0.0.1", spec.listen_port))
+    frames = tiny(64)
+    squatter.sendall(frames)
+    sent += frames
+    time.sleep(0.3)
+    real = socket.create_connection(("127.0.0.1", spec.listen_port))
+    real.sendall(whole)
+    sent += whole
+    time.sleep(0.3)
+    squatter.close()
+    time.sleep(0.3)
+    later = socket.create_connection(("127.0.0.1", spec.listen_port))
+    frames = tiny(64)
+    later.sendall(frames)
+    sent += frames
+    limit = time.monotonic() + 5
+    while sum(map(len, front.received)) < len(sent) and time.monotonic() < limit:
+        time.sleep(0.02)
+    real.close()
+    later.close()
+    dropped = [e for e in front.events() if e["kind"].startswith("dropped")]
+    got = sum(map(len, front.received))
+    ok = not dropped and got == len(sent)
+    return ok, _line(front, dropped[0]) if dropped else "(no frame dropped)", \
+        f"{got:,} of {len(sent):,} bytes reached brpc"
+
+
+def _outbound_from_another_process(front):
+    """Under TLS, a process other than the party's worker connects to the front's outbound
+    socket for node:0 and writes a Push: refused before a byte is read, nothing leaves."""
+    import subprocess
+    import sys
+    from runtime.distributed.front import outbound_socket
+    path = outbound_socket(front.spec.private_dir, "node:0")
+    frame = forge_frame(1, b"test.3pc.run:P2P-1:1->0", seq=1)
+    code = ("import socket, sys, time\n"
+            "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+            "s.sendall(bytes.fromhex(sys.argv[2])); time.sleep(0.5)\n")
+    done = subprocess.run([sys.executable, "-c", code, path, frame.hex()], capture_output=True,
+                          timeout=30)
+    time.sleep(0.5)
+    refused = [e for e in front.events() if e["kind"] == "refused a local connection"]
+    line = _line(front, refused[-1]) if refused else ""
+    ok = (bool(refused) and "serves this party's worker" in line and not front.received
+          and oct(os.stat(front.spec.private_dir).st_mode & 0o777) == "0o700")
+    return ok, line, (f"the writer exited {done.returncode}; {len(front.received)} reads "
+                      "reached brpc")
+
+
+def front_scenario_cases() -> list:
+    quick = {"frame_deadline_s": 2.0}
+    plain = [
+        FrontScenarioCase("front: PRPC and nothing more", "a connection sends b'PRPC' and "
+                          "nothing more (stayed open for good before)",
+                          "closed at its hello's deadline (2 s here), saying so",
+                          _trickle(b"PRPC", 60.0), spec_overrides=quick),
+        FrontScenarioCase("front: one byte every 8 s", "a connection sends b'P', then one "
+                          "byte of a frame every 8 s (each read restarted the clock before)",
+                          "closed within the frame deadline (10 s) of its start",
+                          _trickle(b"P", 8.0)),
+        FrontScenarioCase("front: slow second frame", "a whole frame, then the next one byte "
+                          "every 0.25 s", "the first relayed; closed at the second's deadline "
+                          "(2 s here), saying so", _slow_second_frame, spec_overrides=quick),
+        FrontScenarioCase("front: 260 connections saying PRPC", "260 connections send b'PRPC' "
+                          "and stay; then a peer sends a whole frame and a probe says hello "
+                          "(256 took every slot of the front in C before)",
+                          "the peer's frame reaches brpc, the hello is answered; every flooding "
+                          "connection closed and counted: '127.0.0.1 held 260 connections "
+                          "without a hello'", _flood, spec_overrides=quick),
+        FrontScenarioCase("front: 64 unfinished messages as rank 0", "one connection claiming "
+                          "rank 0 leaves 64 one-byte chunked messages unfinished, another "
+                          "claiming rank 0 sends a two-chunk message, then the first closes "
+                          "and a third leaves 64 more (the real peer's message was dropped "
+                          "and blamed on it before)",
+                          "nothing dropped: each connection has its own budget, cleared when "
+                          "it closes", _ledgers),
+    ]
+    return plain + [dataclasses.replace(c, name="fast " + c.name, fast=True) for c in plain] + [
+        FrontScenarioCase("front: TLS outbound socket from another process", "under TLS, a "
+                          "process other than the party's worker connects to the front's "
+                          "outbound socket for node:0 and writes a Push (a local TCP port "
+                          "that relayed anyone's bytes with the party's certificate before)",
+                          "refused before a byte is read, naming the process; nothing "
+                          "relayed; the socket's directory has mode 0700",
+                          _outbound_from_another_process, tls=True),
+    ]
 
 
 # ----- the list ---------------------------------------------------------------------------------
@@ -230,6 +458,22 @@ def config_cases() -> list:
         _spu(raw)["link"]["tls"] = tls_files(folder, raw["nodes"])
         issue_cert(folder / "certs", "node_0", "node:0", days=-1)
 
+    def other_ca_cert(raw, folder):
+        _spu(raw)["link"]["tls"] = tls_files(folder, raw["nodes"], other_ca_for="node:2")
+
+    def swapped_key(raw, folder):
+        _spu(raw)["link"]["tls"] = tls_files(folder, raw["nodes"])
+        _spu(raw)["link"]["tls"]["certs"]["node:0"]["key"] = "certs/node_1.key"
+
+    def extra_node(raw, folder):
+        raw["nodes"]["node:3"] = "127.0.0.1:1"
+
+    def cert_path(path):
+        def mutate(raw, folder):
+            _spu(raw)["link"]["tls"] = tls_files(folder, raw["nodes"])
+            _spu(raw)["link"]["tls"]["certs"]["node:1"]["cert"] = path
+        return mutate
+
     def repeat_node1(text):
         # {"node:0": ..., "node:1": A, "node:2": ...} -> a second "node:1" key in "nodes"
         start = text.index('"node:1": "127.0.0.1:')
@@ -311,6 +555,22 @@ def config_cases() -> list:
         ConfigCase("config: owner has node:2's cert", "the prompt owner node:1 configured with "
                    "node:2's certificate", owner_with_node2_cert,
                    ("node 'node:1'", "CN='node:2'")),
+        ConfigCase("config: certificate from another CA", "node:2's certificate (CN and SAN "
+                   "right) signed by a second CA, not link.tls.ca (failed only at run time)",
+                   other_ca_cert, ("link.tls.certs['node:2'].cert=", "is not signed by "
+                                   "link.tls.ca=")),
+        ConfigCase("config: key of another certificate", "node:0's key is node:1's (passed "
+                   "load, failed at run time)", swapped_key,
+                   ("link.tls.certs['node:0'].key=", "is not the private key of")),
+        ConfigCase("config: node missing from node_ids", "a fourth node in 'nodes' that "
+                   "devices.SPU.config.node_ids does not list (silently ignored)", extra_node,
+                   ("nodes names 'node:3', which devices.SPU.config.node_ids does not list",)),
+        ConfigCase("config: cert path is a directory", "link.tls.certs['node:1'].cert names a "
+                   "directory (reported as 'does not exist')", cert_path("certs"),
+                   ("link.tls.certs['node:1'].cert='certs' is a directory",)),
+        ConfigCase("config: cert path is /dev/zero", "link.tls.certs['node:1'].cert = /dev/zero "
+                   "(reported as 'does not exist')", cert_path("/dev/zero"),
+                   ("link.tls.certs['node:1'].cert='/dev/zero' is a character device",)),
     ]
 
 
@@ -431,7 +691,217 @@ def party_cases() -> list:
         n = text.count("front: dropped a frame")
         return "" if n >= 2 else f"node:1's front logged {n} dropped frames"
 
-    return [
+    # ----- the side door, floods and local writers (parties started one by one) -------------
+
+    later: dict = {}        # the case's config, output folder and what its fault found
+
+    def two_first(tls=False, **job):
+        """node:0 and node:1 now; node:2 from the fault (`start_node2`)."""
+        def setup(ctx, folder):
+            raw = node_config(3, "ABY3", ctx.ports(3), job={"max_new_tokens": 4, **job},
+                              connect_timeout_s=60)
+            if tls:
+                _spu(raw)["link"]["tls"] = tls_files(folder, parties3)
+            path = write_config(folder, raw)
+            later.clear()
+            later.update(path=path, out=folder / "out", raw=raw)
+            return {"node:0": (path, None), "node:1": (path, None)}
+        return setup
+
+    def start_node2(procs):
+        from experiments.faults.harness import start_party
+        procs["node:2"] = start_party(later["path"], "node:2", later["out"])
+
+    def push_2_40_to_every_port(procs):
+        """What any process here can do: find every TCP port the processes of node:0 and
+        node:1 listen on (/proc), push each a chunk declaring 2^40 bytes; then node:2."""
+        import socket
+        from experiments.faults.harness import listening_tcp_ports, unix_sockets
+        time.sleep(3)       # brpc listens (and waits for node:2) once linking began
+        link_id = later["raw"]["id"] + ".run"
+        found = {}
+        for party in ("node:0", "node:1"):
+            ports = listening_tcp_ports(procs[party].pid)
+            found[party] = {"tcp": ports, "unix": unix_sockets(procs[party].pid)}
+            rank = int(party[-1])
+            for host, port in ports:
+                frame = forge_frame(2, f"{link_id}:P2P-1:2->{rank}".encode(),
+                                    message_length=1 << 40)
+                try:
+                    with socket.create_connection(("127.0.0.1" if host in ("0.0.0.0", "::")
+                                                   else host, port), timeout=5) as sock:
+                        sock.sendall(frame)
+                        _wait_closed(sock, 5)
+                except OSError:
+                    pass
+        later["found"] = found
+        start_node2(procs)
+
+    def only_public_ports(folder):
+        public = {p: ("127.0.0.1", int(later["raw"]["nodes"][p].rpartition(":")[2]))
+                  for p in ("node:0", "node:1")}
+        found = later.get("found", {})
+        (folder / "found.json").write_text(json.dumps(found, indent=1))
+        wrong = {p: f["tcp"] for p, f in found.items() if f["tcp"] != [public[p]]}
+        drops = sum(log_text(folder / "out", p).count("front: dropped a frame")
+                    for p in ("node:0", "node:1"))
+        results = (folder / "out" / "results.jsonl").exists()
+        return "; ".join(x for x in (
+            f"listening TCP ports other than the public one: {wrong}" if wrong else "",
+            "" if drops >= 2 else f"{drops} dropped frames logged (expected 2)",
+            "" if results else "no results.jsonl") if x)
+
+    def first_event(folder, party, kind) -> str:
+        from runtime.distributed.party import front_events, front_events_path
+        events = [e for e in front_events(front_events_path(folder / "out", party))[0]
+                  if e["kind"].startswith(kind)]
+        if not events:
+            return f"(no {kind!r} event at {party})"
+        e = events[0]
+        who = f"{e['node']} ({e['address']})" if e.get("node") else e["address"]
+        return f"[party {party}] front: {e['kind']} from {who}: {e['why']}"
+
+    def ports_summary(folder):
+        found = later.get("found", {})
+        tcp = ", ".join(f"{p} {h}:{n}" for p, f in found.items() for h, n in f["tcp"])
+        drop = first_event(folder, "node:0", "dropped").split(": ", 2)[-1]
+        return (f"every party exits 0; TCP listeners: {tcp} (the public ports; brpc on "
+                f"Unix sockets); node:0's front dropped: {drop}")
+
+    flood_sockets: list = []
+
+    def flood_node0(procs):
+        """260 connections that say PRPC and nothing more to node:0's port, then node:2."""
+        import socket
+        port = int(later["raw"]["nodes"]["node:0"].rpartition(":")[2])
+        for _ in range(260):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"PRPC")
+            flood_sockets.append(sock)
+        start_node2(procs)
+
+    def flood_named(folder):
+        from runtime.distributed.party import flood_message, front_events_path
+        while flood_sockets:
+            flood_sockets.pop().close()
+        message = flood_message(front_events_path(folder / "out", "node:0")) or ""
+        results = (folder / "out" / "results.jsonl").exists()
+        return "; ".join(x for x in (
+            "" if message.startswith("127.0.0.1 held 260 connections without a hello")
+            else f"node:0's front said {message!r}", "" if results else "no results.jsonl")
+            if x)
+
+    def write_to_every_local_socket(procs):
+        """Under TLS, once linked: a local process writes a Push claiming rank 0 to every
+        socket of node:0's front (its TCP port and the Unix sockets it serves)."""
+        import socket
+        from experiments.faults.harness import listening_tcp_ports, unix_sockets
+        link_id = later["raw"]["id"] + ".run"
+        frame = forge_frame(0, f"{link_id}:P2P-7:0->1".encode(), b"forged", seq=7)
+        tried = []
+        for path in unix_sockets(procs["node:0"].pid):
+            if "/to_" not in path:
+                continue        # brpc's own socket: see docs/design.md (same user)
+            try:
+                with socket.socket(socket.AF_UNIX) as sock:
+                    sock.settimeout(5)
+                    sock.connect(path)
+                    sock.sendall(frame)
+                    _wait_closed(sock, 5)
+                tried.append(path)
+            except OSError:
+                tried.append(f"{path} (refused)")
+        for host, port in listening_tcp_ports(procs["node:0"].pid):
+            try:
+                with socket.create_connection((host, port), timeout=5) as sock:
+                    sock.sendall(frame)
+                    _wait_closed(sock, 5)
+                tried.append(f"{host}:{port}")
+            except OSError:
+                pass
+        later["tried"] = tried
+
+    def flood_summary(folder):
+        from runtime.distributed.party import flood_message, front_events_path
+        return (f"every party exits 0; node:0's front: "
+                f"{flood_message(front_events_path(folder / 'out', 'node:0'))}")
+
+    def writers_summary(folder):
+        return (f"every party exits 0, no peer dropped a frame. "
+                f"{first_event(folder, 'node:0', 'refused a local connection')}")
+
+    def nothing_left_with_node0s_name(folder):
+        from runtime.distributed.party import front_events, front_events_path
+        out = folder / "out"
+        refused = [e for e in front_events(front_events_path(out, "node:0"))[0]
+                   if e["kind"] == "refused a local connection"]
+        dropped = [e for p in ("node:1", "node:2")
+                   for e in front_events(front_events_path(out, p))[0]
+                   if e["kind"].startswith("dropped")]
+        tried = later.get("tried", [])
+        return "; ".join(x for x in (
+            "" if len([t for t in tried if "/to_" in t]) == 2 else f"tried {tried}",
+            "" if len(refused) >= 2 else f"node:0's front refused {len(refused)} local writers",
+            f"a peer dropped {dropped[0]['why']}" if dropped else "",
+            "" if (out / "results.jsonl").exists() else "no results.jsonl") if x)
+
+    def forge_a_real_key(procs):
+        """Once linked, a local process sends node:1 one Push claiming rank 0 under the run's
+        real link id, with a message number the real node:0 has not reached yet."""
+        import socket
+        link_id = later["raw"]["id"] + ".run"
+        port = int(later["raw"]["nodes"]["node:1"].rpartition(":")[2])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(forge_frame(0, f"{link_id}:P2P-60:0->1".encode(), b"forged!!", seq=60))
+            time.sleep(0.3)
+
+    def all_three(ctx, folder):
+        plan = two_first()(ctx, folder)
+        return {**plan, "node:2": (later["path"], None)}
+
+    side_door = [
+        PartiesCase("side door: every TCP port from /proc", "node:0 and node:1 started; a "
+                    "local process finds every TCP port their process trees listen on "
+                    "(/proc/net/tcp, /proc/PID/fd) and pushes each a chunk declaring 2^40 "
+                    "bytes; then node:2 starts (brpc's own port was one of them: its worker "
+                    "aborted, std::bad_alloc, before)",
+                    "only the two public ports listen; both fronts drop the chunk; the run "
+                    "completes (every party exits 0, results written)", two_first(),
+                    parties3, (), fault=push_2_40_to_every_port, fault_after="] linking to",
+                    judge_exit=0, check=only_public_ports, timeout_s=240,
+                    summary=ports_summary),
+        PartiesCase("flood: 260 connections before node:2 starts", "node:0 and node:1 "
+                    "started; 260 connections send node:0's port b'PRPC' and nothing more; "
+                    "then node:2 starts (the run died, node:0 and node:1 blaming each other, "
+                    "before)", "the run completes (every party exits 0); node:0's front "
+                    "names the flood: '127.0.0.1 held 260 connections without a hello'",
+                    two_first(), parties3, (), fault=flood_node0, fault_after="] linking to",
+                    judge_exit=0, check=flood_named, timeout_s=240, summary=flood_summary),
+        PartiesCase("tls: local writers to the front's sockets", "under TLS, once linked, a "
+                    "local process writes a Push claiming rank 0 to every socket of node:0's "
+                    "front: its public port and its outbound sockets (the outbound ports "
+                    "relayed anyone's bytes with node:0's certificate before)",
+                    "the outbound sockets refuse the writer (not node:0's worker), the public "
+                    "port wants a certificate; no peer gets a byte of it; the run completes",
+                    two_first(tls=True), parties3, (), fault=lambda procs: (
+                        start_node2(procs), wait_for_log(later["out"], parties3, "] link up",
+                                                         180, procs),
+                        write_to_every_local_socket(procs)),
+                    fault_after="] linking to", judge_exit=0,
+                    check=nothing_left_with_node0s_name, timeout_s=240,
+                    summary=writers_summary),
+        PartiesCase("forge: a Push under the run's link key", "once linked, a local process "
+                    "sends node:1 one well-formed Push claiming rank 0 under this run's link "
+                    "id with message number 60 (yacl then dropped node:0's real message 60 as "
+                    "a duplicate: every party timed out after recv_timeout_s, blaming a peer)",
+                    "node:1's front sees message 60 of rank 0 come again under another key and "
+                    "node:1 stops at once, naming the forgery and no party; the others exit 3",
+                    all_three, parties3, ("dropped a forged message", "two connections claim "
+                                          "rank 0"), fault=forge_a_real_key,
+                    fault_after="] link up", say_in="any", timeout_s=120),
+    ]
+
+    return side_door + [
         PartiesCase("blame: a web server on node:2's port", "an HTTP server listens on node:2's "
                     "port; node:0 and node:1 started, connect_timeout_s=8 (waited 95 s with "
                     "connect_timeout_s=8 and blamed a healthy party before)",
@@ -590,5 +1060,5 @@ def _resume_folder(folder: pathlib.Path) -> None:
 
 def all_cases() -> list:
     """Every case, fast ones first."""
-    return (wire_cases() + front_cases() + config_cases() + cli_cases() + party_cases()
-            + launcher_cases())
+    return (wire_cases() + front_cases() + front_scenario_cases() + config_cases() + cli_cases()
+            + party_cases() + launcher_cases())

@@ -82,13 +82,25 @@ def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
     return header + (body if body_size is None else b"")
 
 
+def private_dir() -> str:
+    """A party's private directory for a test front (mode 0700, under /tmp: a socket's path
+    must fit 107 bytes)."""
+    import atexit
+    import shutil
+    import tempfile
+    path = tempfile.mkdtemp(prefix="mpcache-test-", dir="/tmp")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
                      max_message_bytes: int = 1 << 20, spec_overrides: dict | None = None,
                      fast_front: pathlib.Path | None = None):
     """A front for node:1 of a 3-party config (ranks 0-2) on 127.0.0.1:port, plain or TLS
-    (certificates under folder/certs), with a recording stand-in backend -> (process, spec,
-    backend socket, list of received byte strings). front.py, or with `fast_front` (a build
-    of fast_front.c) that program where front.py would run it (plain TCP)."""
+    (certificates under folder/certs), with a recording stand-in backend on its Unix socket
+    -> (process, spec, backend socket, list of received byte strings). front.py, or with
+    `fast_front` (a build of fast_front.c) that program where front.py would run it (plain
+    TCP)."""
     import socket
     import threading
     from runtime.distributed import front as front_mod
@@ -106,7 +118,8 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
                for r in (0, 2)},
         hello_key=(b"k" * 32).hex(), max_frame_bytes=(1 << 20) + (64 << 10),
         max_message_bytes=max_message_bytes, max_buffered_bytes=2 * max_message_bytes,
-        events_path=str(folder / "front_events.jsonl"), tls=tls_spec,
+        events_path=str(folder / "front_events.jsonl"), private_dir=private_dir(),
+        worker_pid=os.getpid(), tls=tls_spec,
         max_unread_messages=12)     # a party's: SPU's throttle window of 10 + 2
     spec = dataclasses.replace(spec, **(spec_overrides or {}))
     pathlib.Path(spec.events_path).write_text("")
@@ -115,9 +128,8 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
                             stderr=open(folder / "front.log", "w"),
                             env=child_env({front_mod.FAST_FRONT_ENV: str(fast_front or "off")}))
     ready = json.loads(proc.stdout.readline())
-    backend = socket.socket()
-    backend.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    backend.bind(("127.0.0.1", ready["backend_port"]))
+    backend = socket.socket(socket.AF_UNIX)
+    backend.bind(ready["backend"])
     backend.listen()
     received: list[bytes] = []
 

@@ -20,7 +20,8 @@ TINY_JOB = {"model": "llama-tiny", "num_layers": 2, "policy": "mpcache", "budget
 
 # Preludes run in a party's worker before experiments.party's main (simulated hostile code).
 SKIP_OWN_CERT_CHECK = ("import runtime.distributed.config as _config\n"
-                       "_config.check_own_certificate = lambda *a, **k: None\n")
+                       "_config.check_own_certificate = lambda *a, **k: None\n"
+                       "_config.check_key_and_ca = lambda *a, **k: None\n")
 
 
 # ----- helpers shared with tests/test_distributed.py ------------------------------------------
@@ -159,3 +160,73 @@ def processes_mentioning(marker: str) -> list[int]:
         if marker in cmdline and state != "Z":
             found.append(int(entry.name))
     return found
+
+
+# ----- what a process on the same machine sees of a party (/proc) ------------------------------
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it (from /proc/*/stat)."""
+    parents: dict[int, int] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text()
+                                               .rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, frontier = [root], [root]
+    while frontier:
+        children = [pid for pid, ppid in parents.items() if ppid in frontier]
+        tree += children
+        frontier = children
+    return tree
+
+
+def socket_inodes(pids) -> set[int]:
+    """The inodes of the sockets the processes `pids` hold open (/proc/PID/fd)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = list(pathlib.Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def listening_tcp_ports(root: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket listening that a process of `root`'s tree holds
+    (/proc/net/tcp and tcp6: state 0A), as any process on the machine can find them."""
+    inodes = socket_inodes(process_tree(root))
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = pathlib.Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != "0A" or int(fields[9]) not in inodes:
+                continue
+            address, port = fields[1].split(":")
+            host = (".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                    if width == 8 else "::")
+            found.append((host, int(port, 16)))
+    return sorted(set(found))
+
+
+def unix_sockets(root: int) -> list[str]:
+    """The paths of the Unix sockets bound by `root`'s process tree (/proc/net/unix)."""
+    inodes = socket_inodes(process_tree(root))
+    paths = []
+    for line in pathlib.Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and int(fields[6]) in inodes and fields[7].startswith("/"):
+            paths.append(fields[7])
+    return sorted(set(paths))

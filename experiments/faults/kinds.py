@@ -149,6 +149,8 @@ class PartiesCase:
     say_in: str = "all"
     clock: str = ""
     timeout_s: float = 150.0
+    # What the table shows when no judge printed an error (a run meant to complete).
+    summary: Callable[[pathlib.Path], str] | None = None
 
     def run(self, ctx: Context) -> Observed:
         folder = ctx.case_dir(self.name)
@@ -184,6 +186,8 @@ class PartiesCase:
         ok = ok and not note
         shown = " / ".join(f"{p}: {'running' if c is None else c}" for p, c in codes.items())
         first = lines[saying[0] if saying else self.judges[0]]
+        if not first and self.summary is not None:
+            first = self.summary(folder)
         took = None if start is None else t_end - start
         return Observed(shown, first, took, ok, note, {"fault": "after the fault", "linking":
                                                        "after linking began",
@@ -335,3 +339,43 @@ class CliCase:
               and "Traceback" not in result.stderr)
         return Observed(str(result.returncode), line, took, ok,
                         "" if intact else "previous results.jsonl changed", "whole command")
+
+
+@dataclasses.dataclass
+class FrontScenarioCase:
+    """One party's front alone (front.py, or with `fast` the front in C) with a stand-in brpc
+    that records what reaches it; `scenario(front)` (front: .spec, .received (the bytes brpc
+    got), .folder, .events() (the front's events so far)) acts out what a peer or a local
+    process does and returns (passed, the line that shows it, a note). Passes when the
+    scenario does and the front still answers the hello afterwards."""
+    name: str
+    did: str
+    expected: str
+    scenario: Callable
+    fast: bool = False
+    tls: bool = False
+    spec_overrides: dict | None = None
+
+    def run(self, ctx: Context) -> Observed:
+        import types
+        folder = ctx.case_dir(self.name)
+        proc, spec, backend, received = start_test_front(
+            folder, ctx.ports(1)[0], tls=self.tls, spec_overrides=self.spec_overrides,
+            fast_front=ctx.fast_front_binary() if self.fast else None)
+
+        def events():
+            return [json.loads(line) for line in pathlib.Path(spec.events_path).read_text()
+                    .splitlines() if line.strip()]
+        front = types.SimpleNamespace(spec=spec, received=received, folder=folder,
+                                      events=events, proc=proc)
+        try:
+            start = time.perf_counter()
+            passed, line, note = self.scenario(front)
+            took = time.perf_counter() - start
+            alive = front_answers_hello(spec, folder if self.tls else None)
+        finally:
+            proc.kill()
+            proc.wait()
+            backend.close()
+        note = "; ".join(x for x in (note, "" if alive else "front dead") if x)
+        return Observed("-", line, took, passed and alive, note, "scenario")

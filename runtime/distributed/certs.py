@@ -117,3 +117,63 @@ def check_own_certificate(node: str, host: str, path: str, where: str) -> str | 
                               f"node's certificate must have CN={node!r} and a subjectAltName "
                               f"for {host} (the address in 'nodes'); issue one per node")
     return warning
+
+
+def _refuse_passphrase(*_):
+    raise CertificateError("it is encrypted with a passphrase; the parties need an unencrypted "
+                           "key (openssl pkey -in KEY -out KEY.plain)")
+
+
+def check_key_and_ca(cert: str, key: str, ca: str, where_cert: str, where_key: str) -> None:
+    """The key must be the private key of the certificate, and the certificate must chain to
+    the CA: a TLS handshake between the two in memory (this party's certificate and key on
+    one side, a client trusting only the CA on the other), as a peer would check it.
+    Raises CertificateError naming the field."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        server.load_cert_chain(cert, key, password=_refuse_passphrase)
+    except CertificateError as err:
+        raise CertificateError(f"{where_key}={key!r}: {err}") from None
+    except ssl.SSLError as err:
+        if "KEY_VALUES_MISMATCH" in str(err) or "key values mismatch" in str(err):
+            raise CertificateError(f"{where_key}={key!r} is not the private key of "
+                                   f"{where_cert}={cert!r} (key values mismatch); give the key "
+                                   "the certificate was issued for") from None
+        raise CertificateError(f"{where_key}={key!r} is not a PEM private key for "
+                               f"{where_cert} ({err.reason or err})") from None
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False       # names: the identity rule, checked apart
+    try:
+        client.load_verify_locations(ca)
+    except ssl.SSLError as err:
+        raise CertificateError(f"link.tls.ca={ca!r} is not a PEM certificate "
+                               f"({err.reason or err})") from None
+    bios = [ssl.MemoryBIO() for _ in range(4)]
+    sides = [client.wrap_bio(bios[0], bios[1]), server.wrap_bio(bios[2], bios[3],
+                                                                 server_side=True)]
+    done = [False, False]
+    for _ in range(8):
+        for i, side in enumerate(sides):
+            if not done[i]:
+                try:
+                    side.do_handshake()
+                    done[i] = True
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLCertVerificationError as err:
+                    raise CertificateError(
+                        f"{where_cert}={cert!r} is not signed by link.tls.ca={ca!r} "
+                        f"({err.verify_message}): peers would refuse it; issue it from "
+                        "that CA (scripts/make_certs.sh) or configure its CA") from None
+                except ssl.SSLError as err:
+                    if i == 1 and done[0]:
+                        break
+                    raise CertificateError(f"{where_cert}={cert!r} with {where_key} cannot "
+                                           f"serve TLS ({err.reason or err})") from None
+            out, into = (bios[1], bios[2]) if i == 0 else (bios[3], bios[0])
+            data = out.read()
+            if data:
+                into.write(data)
+        if done[0]:
+            return
+    raise CertificateError(f"{where_cert}={cert!r}: a TLS handshake with it did not complete")

@@ -68,8 +68,8 @@ from models import registry
 from models.config import ConfigError
 from models.model import Model
 from models.registry import MODEL_NAMES
-from runtime.distributed.certs import (CertificateError, check_own_certificate, check_validity,
-                                       read_certificate)
+from runtime.distributed.certs import (CertificateError, check_key_and_ca,
+                                       check_own_certificate, check_validity, read_certificate)
 from runtime.mpc import config as mpc_config
 from runtime.mpc.config import MPCConfig
 
@@ -456,6 +456,37 @@ def validate_runtime_config(runtime: Any, world_size: int) -> MPCConfig:
                               f"(node_ids lists {world_size} parties)") from None
 
 
+def check_regular_file(full: pathlib.Path, given: str, where: str) -> None:
+    """`where`=`given` (found at `full`) must be a regular file this process can read: not
+    missing, not a directory, not a device, FIFO or socket (reading one could block or never
+    end)."""
+    import stat
+    try:
+        info = os.stat(full)
+    except FileNotFoundError:
+        raise NodeConfigError(f"{where}={given!r} does not exist (looked for {full}); give the "
+                              "PEM file's path, absolute or relative to the node config"
+                              ) from None
+    except OSError as err:
+        raise NodeConfigError(f"{where}={given!r} cannot be read ({err.strerror}; looked for "
+                              f"{full})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise NodeConfigError(f"{where}={given!r} is a directory, not a PEM file (looked for "
+                              f"{full}); give the file's path")
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a character device" if stat.S_ISCHR(info.st_mode) else "a block device"
+                if stat.S_ISBLK(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
+                else "a socket" if stat.S_ISSOCK(info.st_mode) else "not a regular file")
+        raise NodeConfigError(f"{where}={given!r} is {kind}, not a regular PEM file (looked "
+                              f"for {full}); give the file's path")
+    try:
+        with open(full, "rb") as f:
+            f.read(1)
+    except OSError as err:
+        raise NodeConfigError(f"{where}={given!r} cannot be read ({err.strerror}; looked for "
+                              f"{full})") from None
+
+
 def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
                check_parties: tuple[str, ...], warnings: list[str] | None = None
                ) -> TLSConfig | None:
@@ -473,9 +504,8 @@ def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
         if not isinstance(path, str) or not path:
             raise NodeConfigError(f"{where} must be a file path, got {path!r}")
         full = pathlib.Path(path) if os.path.isabs(path) else base / path
-        if must_exist and not full.is_file():
-            raise NodeConfigError(f"{where}={path!r} does not exist (looked for {full}); give the "
-                                  "PEM file's path, absolute or relative to the node config")
+        if must_exist:
+            check_regular_file(full, path, where)
         return str(full)
 
     certs_in = _need(tls, "certs", "link.tls", dict)
@@ -496,14 +526,6 @@ def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
                                              f"link.tls.certs[{pid!r}].cert", check),
                                 key=resolve(_need(entry, "key", f"link.tls.certs[{pid!r}]"),
                                             f"link.tls.certs[{pid!r}].key", check))
-    for pid in check_parties:
-        try:
-            warning = check_own_certificate(pid, hosts[pid], certs[pid].cert,
-                                            f"link.tls.certs[{pid!r}].cert")
-        except CertificateError as err:
-            raise NodeConfigError(str(err)) from None
-        if warning:
-            warnings.append(warning)
     unknown = sorted(set(tls) - {"ca", "certs", "verify_depth"})
     if unknown:
         raise NodeConfigError(f"link.tls has unknown key(s) {unknown}; keys: ca, certs, "
@@ -516,6 +538,16 @@ def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
         try:
             ca_cert = read_certificate(ca)
             warning = None if ca_cert is None else check_validity(ca_cert, ca, "link.tls.ca")
+        except CertificateError as err:
+            raise NodeConfigError(str(err)) from None
+        if warning:
+            warnings.append(warning)
+    for pid in check_parties:
+        where = f"link.tls.certs[{pid!r}]"
+        try:
+            warning = check_own_certificate(pid, hosts[pid], certs[pid].cert, f"{where}.cert")
+            check_key_and_ca(certs[pid].cert, certs[pid].key, ca, f"{where}.cert",
+                             f"{where}.key")
         except CertificateError as err:
             raise NodeConfigError(str(err)) from None
         if warning:
@@ -560,6 +592,11 @@ def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: st
                                   f"add it to 'nodes' or use one of {list(nodes)}")
     if len(set(node_ids)) != len(node_ids):
         raise NodeConfigError(f"devices.{spu_name}.config.node_ids lists a party twice: {node_ids}")
+    extra = [pid for pid in nodes if pid not in node_ids]
+    if extra:
+        raise NodeConfigError(f"nodes names {extra[0]!r}, which devices.{spu_name}.config."
+                              f"node_ids does not list (it would be ignored); add it to "
+                              f"node_ids or remove it from nodes")
     runtime = validate_runtime_config(_need(spu_cfg, "runtime_config",
                                             f"devices.{spu_name}.config"), len(node_ids))
     if party is not None and party not in node_ids:

@@ -15,20 +15,26 @@
    Nothing a peer sends becomes anything but integers and byte ranges, each bounds-checked.
 
    One thread per connection reads the peer's frames into its buffer, checks each whole frame
-   and writes the checked frames to brpc (store and forward: at most one frame of
+   and writes the checked frames to brpc's Unix socket in the party's private directory
+   (opened with the first frame that passes; store and forward: at most one frame of
    max_frame_bytes is held); a second thread copies brpc's replies back. A frame that breaks a
    rule is not relayed: the frames before it are, then both connections are closed and the
-   event is printed and appended to the events file naming the peer.
+   event is printed and appended to the events file naming the peer (or, when the fault is
+   another connection's, no node).
 
-   Where it differs: it serves at most MAX_CONNECTIONS connections at once (front.py has no
-   bound; a thread each here) and refuses more with an event, and a connection that has not
-   shown its first bytes (and a hello's rest) within FIRST_BYTES_S is closed, so that idle
-   connections cannot hold every slot.
+   Connections as front.py counts them (Front.admit): at most MAX_CONNECTIONS in all and
+   MAX_PER_SOURCE from one source address, a new one over a cap closing the oldest connection
+   of that scope without a hello (else refused); a connection's hello within the deadline of
+   its start, every later frame within the deadline of its first byte (the socket's receive
+   timeout never reaches past it); the unfinished messages in one book
+   (front.UnfinishedBook: each connection's own budget, cleared when it closes; a total); a
+   message number that comes back under another key is a forged message (front.FORGED).
 
    Usage (by front.py only; --check in place of LISTEN_FD: see check_mode): fast_front
-       LISTEN_FD BACKEND_PORT PARTY RANK LINK_ID HELLO_KEY_HEX
-       MAX_FRAME MAX_MESSAGE MAX_BUFFERED EVENTS_PATH [PEER_NODE PEER_RANK]...
-   stdin: "cap N" and "stats" lines as front.py reads them.
+       LISTEN_FD BACKEND_SOCKET PARTY RANK LINK_ID HELLO_KEY_HEX MAX_FRAME MAX_MESSAGE
+       MAX_BUFFERED EVENTS_PATH DEADLINE_MS MAX_CONNECTIONS MAX_PER_SOURCE
+       [PEER_NODE PEER_RANK]...
+   (front.fast_front_args). stdin: "cap N" and "stats" lines as front.py reads them.
    Build: front.build_fast_front (cc -O2 -pthread ... -lcrypto), run by scripts/setup.sh. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -47,37 +53,65 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
 #define HEADER_BYTES 12
+#define FORGED 2                /* *anonymous: a forged message (front.FORGED events) */
 #define MAX_META_BYTES 4096
 #define MAX_KEY_BYTES 512
 #define MAX_UNFINISHED_MESSAGES 64
 #define READ_BYTES (64 << 10)
 #define HELLO_BYTES 41          /* "MPCH " + 32 hex digits + "\r\n\r\n" */
 #define MAX_PEERS 64
-#define MAX_CONNECTIONS 256     /* two descriptors each, within the usual limit of 1024 */
 #define WHY_BYTES 1024
-#define FIRST_BYTES_S 10
+#define SEEN_SLOTS 4096
+#define FLOOD_EVENTS_PER_S 20
+#define FLOOD_SOURCES 4096
 
 static const char PUSH_SERVICE[] = "org.interconnection.link.ReceiverService";
 static const char PUSH_METHOD[] = "Push";
 static unsigned char push_meta_prefix[64];
 static size_t push_meta_prefix_len;
 
+/* A message a peer rank delivered (front.Front.seen): its sequence number, key and where. */
 typedef struct {
+    unsigned __int128 seq;          /* 0: empty; up to 20 digits */
     unsigned char key[MAX_KEY_BYTES];
     size_t key_len;
-    uint64_t length, got;
-} Unfinished;
+    char label[180];
+} Seen;
 
 typedef struct {
     char node[72];
     uint64_t rank;
-    Unfinished unfinished[MAX_UNFINISHED_MESSAGES];
-    int n_unfinished;
+    Seen *seen;                     /* SEEN_SLOTS, by seq mod SEEN_SLOTS */
 } Peer;
+
+/* One connection to the public port (front._Inbound). Its fields after `address` are read
+   and written under `lock`. */
+typedef struct Connection {
+    int peer_fd, backend_fd;
+    char address[96];               /* "host:port" */
+    char source[INET6_ADDRSTRLEN];  /* host */
+    uint64_t serial;                /* order of arrival */
+    struct timespec started;        /* accepted */
+    Peer *peer;                     /* the node it is bound to (its first frame) */
+    int introduced;                 /* its hello (a whole first frame) has arrived */
+    int evicted;                    /* closed for a newer connection (no longer counted) */
+    uint64_t count, bytes;          /* the unfinished messages it is charged for */
+} Connection;
+
+/* front.Unfinished: a chunked message the worker holds a buffer for, by (rank, key). */
+typedef struct {
+    uint64_t rank;
+    unsigned char key[MAX_KEY_BYTES];
+    size_t key_len;
+    uint64_t length, got;
+    Connection *owner;              /* NULL: left by a connection that closed */
+    char left_by[180];
+} Unfinished;
 
 static struct {
     const char *party, *events_path;
@@ -85,16 +119,26 @@ static struct {
     const unsigned char *link_id;
     size_t link_len;
     unsigned char hello_key[32];
-    uint64_t max_frame, max_buffered;
-    struct sockaddr_in backend;
+    uint64_t max_frame, max_buffered, deadline_ms, max_connections, max_per_source;
+    struct sockaddr_un backend;
     Peer peers[MAX_PEERS];
     int n_peers;
 } cfg;
 
-/* Guards the peers' ledgers, the stats, max_message and the events file. */
+/* front.UnfinishedBook: every connection's unfinished messages, in order of arrival. */
+static Unfinished *book;
+static int book_n, book_max;
+static uint64_t book_bytes;
+
+/* The open connections (front.Front.open), evicted ones until their thread has left. */
+static Connection **table;
+static size_t table_size;
+static uint64_t n_open, n_serial;
+
+/* Guards the book, the table, the connections' shared fields, the stats, max_message and the
+   events file. */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t max_message, stat_frames, stat_bytes, stat_max_message;
-static int open_connections;
 
 /* ----- text as front.py writes it --------------------------------------------------------- */
 
@@ -153,8 +197,10 @@ static void put_json_string(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-/* The event front.Front.event writes: one stderr line, one JSON line in the events file. */
-static void event(const char *kind, const char *address, const char *node, const char *why) {
+/* The event front.Front.event writes: one stderr line, one JSON line in the events file
+   (with "source" and "connections": n when given). Takes `lock`. */
+static void event_count(const char *kind, const char *address, const char *node,
+                        const char *why, const char *source, uint64_t connections) {
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
     pthread_mutex_lock(&lock);
@@ -173,10 +219,19 @@ static void event(const char *kind, const char *address, const char *node, const
         else fputs("null", f);
         fputs(", \"why\": ", f);
         put_json_string(f, why);
+        if (source) {
+            fputs(", \"source\": ", f);
+            put_json_string(f, source);
+        }
+        if (connections) fprintf(f, ", \"connections\": %" PRIu64, connections);
         fputs("}\n", f);
         fclose(f);
     }
     pthread_mutex_unlock(&lock);
+}
+
+static void event(const char *kind, const char *address, const char *node, const char *why) {
+    event_count(kind, address, node, why, NULL, 0);
 }
 
 /* ----- protobuf reading (front.read_varint, front.read_fields) ---------------------------- */
@@ -273,6 +328,7 @@ typedef struct {
     size_t frame_bytes;
     uint64_t rank, chunk_bytes, length, offset;
     int chunked, has_seq;
+    unsigned __int128 seq;          /* front.sequence_number: up to 20 digits */
     const unsigned char *key;
     size_t key_len;
 } Push;
@@ -365,6 +421,7 @@ static int parse_frame(const unsigned char *b, size_t have, Push *p, Text *why) 
             else if (s[i] != '0') any = 1;
         }
         p->has_seq = digits && any;
+        for (size_t i = 0; i < n && p->has_seq; i++) p->seq = p->seq * 10 + (s[i] - '0');
     }
     p->chunk_bytes = is_bytes(&push.f[3]) ? push.f[3].len : 0;
     if (is_int(&push.f[4]) && push.f[4].value == 1) {
@@ -407,8 +464,203 @@ static void put_over_cap(Text *t, const char *what, uint64_t size, uint64_t cap)
     put(t, " (the largest the job's programs receive)");
 }
 
-/* front.check_push for a frame from `peer` (max_unread = 0); takes `lock` for the ledger. */
-static int check_push(const Push *p, Peer *peer, Text *why) {
+/* ConnLedger.label(): "host:port (node)", or "host:port" before the connection is bound. */
+static void put_label(Text *t, const Connection *c) {
+    if (c->peer) put(t, "%s (%s)", c->address, c->peer->node);
+    else put(t, "%s", c->address);
+}
+
+/* UnfinishedBook._charge: the connection's own caps; -1 and `why`. Under `lock`. */
+static int charge(const Connection *c, uint64_t length, Text *why) {
+    if (c->count >= MAX_UNFINISHED_MESSAGES) {
+        put(why, "%" PRIu64 " unfinished chunked messages in flight on this connection, over "
+                 "the per-connection cap of %d", c->count + 1, MAX_UNFINISHED_MESSAGES);
+        return -1;
+    }
+    if (c->bytes + length > cfg.max_buffered) {
+        put(why, "unfinished messages of ");
+        put_count(why, c->bytes + length);
+        put(why, " bytes in flight on this connection, over the per-connection cap of ");
+        put_count(why, cfg.max_buffered);
+        return -1;
+    }
+    return 0;
+}
+
+/* UnfinishedBook._holder: the label holding the most declared bytes (the first of a tie),
+   its bytes and messages, and whether it is `c`. Under `lock`. */
+static void put_holder(Text *why, const Connection *c, int *is_c) {
+    Text best = {0};
+    uint64_t best_bytes = 0, best_count = 0;
+    int best_is_c = 0, found = 0;
+    for (int i = 0; i < book_n; i++) {
+        Text label = {0};
+        if (book[i].owner) put_label(&label, book[i].owner);
+        else put(&label, "%s, closed", book[i].left_by);
+        int seen = 0;           /* counted with an earlier entry of the same label */
+        for (int j = 0; j < i && !seen; j++) {
+            Text other = {0};
+            if (book[j].owner) put_label(&other, book[j].owner);
+            else put(&other, "%s, closed", book[j].left_by);
+            seen = !strcmp(other.text, label.text);
+        }
+        if (seen) continue;
+        uint64_t nbytes = 0, count = 0;
+        Connection *owner = book[i].owner;
+        for (int j = i; j < book_n; j++) {
+            Text other = {0};
+            if (book[j].owner) put_label(&other, book[j].owner);
+            else put(&other, "%s, closed", book[j].left_by);
+            if (!strcmp(other.text, label.text)) { nbytes += book[j].length; count++; }
+        }
+        if (!found || nbytes > best_bytes) {
+            found = 1;
+            best = label;
+            best_bytes = nbytes;
+            best_count = count;
+            best_is_c = owner == c;
+        }
+    }
+    put(why, "the most, ");
+    put_count(why, best_bytes);
+    put(why, " bytes in %" PRIu64 ", from %s", best_count, best.text);
+    *is_c = best_is_c;
+}
+
+/* UnfinishedBook.chunk: -1 and `why` (*anonymous: the connection is not the one holding the
+   most); 0. Under `lock`. */
+static int book_chunk(Connection *c, uint64_t rank, const Push *p, Text *why, int *anonymous) {
+    Unfinished *entry = NULL;
+    int at = -1;
+    for (int i = 0; i < book_n; i++) {
+        Unfinished *u = &book[i];
+        if (u->rank == rank && u->key_len == p->key_len && !memcmp(u->key, p->key, p->key_len)) {
+            entry = u;
+            at = i;
+            break;
+        }
+    }
+    if (!entry) {
+        if (charge(c, p->length, why)) return -1;
+        uint64_t max_bytes = cfg.max_buffered * (uint64_t)(cfg.n_peers + 1);
+        if (book_n >= book_max || book_bytes + p->length > max_bytes) {
+            put(why, "%d unfinished chunked messages (", book_n + 1);
+            put_count(why, book_bytes + p->length);
+            put(why, " bytes) at this party, over its total of %d messages / ", book_max);
+            put_count(why, max_bytes);
+            put(why, " bytes for all connections together; ");
+            int is_c = 0;
+            put_holder(why, c, &is_c);
+            *anonymous = !is_c;
+            return -1;
+        }
+        at = book_n++;
+        entry = &book[at];
+        entry->rank = rank;
+        memcpy(entry->key, p->key, p->key_len);
+        entry->key_len = p->key_len;
+        entry->length = p->length;
+        entry->got = 0;
+        entry->owner = c;
+        entry->left_by[0] = 0;
+        c->count++;
+        c->bytes += p->length;
+        book_bytes += p->length;
+    } else if (entry->length != p->length) {
+        put(why, "a chunk restating its message's length as ");
+        put_count(why, p->length);
+        put(why, " (first ");
+        put_count(why, entry->length);
+        put(why, ")");
+        return -1;
+    } else if (!entry->owner) {          /* a message a closed connection left: resumed */
+        if (charge(c, p->length, why)) return -1;
+        entry->owner = c;
+        c->count++;
+        c->bytes += p->length;
+    }
+    entry->got += p->chunk_bytes;
+    if (entry->got > p->length) {
+        put(why, "chunks adding up to ");
+        put_count(why, entry->got);
+        put(why, " bytes, over their message's declared ");
+        put_count(why, p->length);
+        return -1;
+    }
+    if (entry->got < p->length) return 0;
+    book_bytes -= entry->length;
+    if (entry->owner) {
+        entry->owner->count--;
+        entry->owner->bytes -= entry->length;
+    }
+    memmove(entry, entry + 1, (size_t)(book_n-- - at - 1) * sizeof *entry);
+    return 0;
+}
+
+/* UnfinishedBook.close: `c` closed; its messages stay unfinished, charged to no connection.
+   Under `lock`. */
+static void book_close(Connection *c) {
+    Text label = {0};
+    put_label(&label, c);
+    for (int i = 0; i < book_n; i++)
+        if (book[i].owner == c) {
+            book[i].owner = NULL;
+            snprintf(book[i].left_by, sizeof book[i].left_by, "%.179s", label.text);
+        }
+    c->count = c->bytes = 0;
+}
+
+/* Python's str() of a sequence number of up to 20 digits. */
+static void put_seq(Text *t, unsigned __int128 v) {
+    char digits[48];
+    int n = 0;
+    do {
+        digits[n++] = (char)('0' + (int)(v % 10));
+        v /= 10;
+    } while (v);
+    while (n) put(t, "%c", digits[--n]);
+}
+
+/* A key of this run's link (not yacl's connection test, ACK or FIN). */
+static int link_key(const Push *p) {
+    const unsigned char *k = p->key;
+    size_t n = p->key_len;
+    if (n > 8 && n <= 12 && !memcmp(k, "connect_", 8) && all_digits(k + 8, n - 8)) return 0;
+    return !(n == 3 && (!memcmp(k, "ACK", 3) || !memcmp(k, "FIN", 3)));
+}
+
+/* front.Front.note_seq: -1 and `why` when the message's number came under another key. */
+static int note_seq(Connection *c, Peer *peer, const Push *p, Text *why) {
+    pthread_mutex_lock(&lock);
+    Seen *before = &peer->seen[(size_t)(p->seq % SEEN_SLOTS)];
+    int failed = 0;
+    if (before->seq == p->seq
+        && (before->key_len != p->key_len || memcmp(before->key, p->key, p->key_len))) {
+        put(why, "message ");
+        put_seq(why, p->seq);
+        put(why, " of rank %" PRIu64 " under the key ", peer->rank);
+        put_key(why, p);
+        put(why, " on ");
+        put_label(why, c);
+        put(why, ", after it came under the key ");
+        put_repr(why, before->key, before->key_len < 80 ? before->key_len : 80);
+        put(why, " on %s: two connections claim rank %" PRIu64 ", and yacl keeps the first",
+            before->label, peer->rank);
+        failed = -1;
+    } else if (before->seq != p->seq) {
+        Text label = {0};
+        put_label(&label, c);
+        before->seq = p->seq;
+        memcpy(before->key, p->key, p->key_len);
+        before->key_len = p->key_len;
+        snprintf(before->label, sizeof before->label, "%.179s", label.text);
+    }
+    pthread_mutex_unlock(&lock);
+    return failed;
+}
+
+/* front.check_push for a frame from `peer` on `c` (max_unread = 0); takes `lock`. */
+static int check_push(const Push *p, Peer *peer, Connection *c, Text *why, int *anonymous) {
     uint64_t bound = peer->rank, mine = cfg.rank, src, dst;
     if (p->rank != bound) {
         put(why, "a Push claiming sender rank %" PRIu64 " on a connection of rank %" PRIu64,
@@ -483,52 +735,7 @@ static int check_push(const Push *p, Peer *peer, Text *why) {
         put(why, " bytes");
         goto done;
     }
-    Unfinished *entry = NULL;
-    int at = -1;
-    for (int i = 0; i < peer->n_unfinished; i++) {
-        Unfinished *u = &peer->unfinished[i];
-        if (u->key_len == p->key_len && !memcmp(u->key, p->key, p->key_len)) { entry = u; at = i; break; }
-    }
-    if (!entry) {
-        if (peer->n_unfinished >= MAX_UNFINISHED_MESSAGES) {
-            put(why, "%d unfinished chunked messages in flight, over the per-peer cap of %d",
-                peer->n_unfinished + 1, MAX_UNFINISHED_MESSAGES);
-            goto done;
-        }
-        uint64_t buffered = 0;
-        for (int i = 0; i < peer->n_unfinished; i++) buffered += peer->unfinished[i].length;
-        if (buffered + p->length > cfg.max_buffered) {
-            put(why, "unfinished messages of ");
-            put_count(why, buffered + p->length);
-            put(why, " bytes in flight, over the per-peer cap of ");
-            put_count(why, cfg.max_buffered);
-            goto done;
-        }
-        at = peer->n_unfinished++;
-        entry = &peer->unfinished[at];
-        memcpy(entry->key, p->key, p->key_len);
-        entry->key_len = p->key_len;
-        entry->length = p->length;
-        entry->got = 0;
-    } else if (entry->length != p->length) {
-        put(why, "a chunk restating its message's length as ");
-        put_count(why, p->length);
-        put(why, " (first ");
-        put_count(why, entry->length);
-        put(why, ")");
-        goto done;
-    }
-    entry->got += p->chunk_bytes;
-    if (entry->got > p->length) {
-        put(why, "chunks adding up to ");
-        put_count(why, entry->got);
-        put(why, " bytes, over their message's declared ");
-        put_count(why, p->length);
-        goto done;
-    }
-    if (entry->got == p->length)      /* whole: forget it (keep the others in order) */
-        memmove(entry, entry + 1, (size_t)(peer->n_unfinished-- - at - 1) * sizeof *entry);
-    failed = 0;
+    failed = book_chunk(c, bound, p, why, anonymous);
 done:
     pthread_mutex_unlock(&lock);
     return failed;
@@ -546,11 +753,6 @@ static int write_all(int fd, const unsigned char *b, size_t n) {
     }
     return 0;
 }
-
-typedef struct {
-    int peer_fd, backend_fd;
-    char address[96];
-} Connection;
 
 /* brpc's replies back to the peer, until either side closes. */
 static void *replies(void *arg) {
@@ -610,28 +812,37 @@ static void refuse_first_bytes(Connection *c, const unsigned char *head, size_t 
     event("refused a connection", c->address, NULL, why.text);
 }
 
-/* The whole frames at buf[0:filled] of a connection bound to *peer (NULL: not yet; the first
-   frame binds it) -> the bytes of those that pass (*at), and -1 with `why` at the first that
-   does not (front.Front.check_frames). */
-static int check_frames(const unsigned char *buf, size_t filled, Peer **peer, size_t *at,
-                        Text *why) {
+/* The whole frames at buf[0:filled] of connection `c` (c->peer: the node it is bound to,
+   NULL until its first frame binds it) -> the bytes of those that pass (*at), and -1 with
+   `why` at the first that does not, *anonymous when the event is to name no node (FORGED:
+   of that kind) (front.Front.check_frames). */
+static int check_frames(const unsigned char *buf, size_t filled, Connection *c, size_t *at,
+                        Text *why, int *anonymous) {
     *at = 0;
     for (;;) {
         Push p;
         int got = parse_frame(buf + *at, filled - *at, &p, why);
         if (got == 0) return 0;
-        if (got > 0 && !*peer) {
-            *peer = peer_of_rank(p.rank);
-            if (!*peer) {
+        if (got > 0 && !c->peer) {
+            Peer *peer = peer_of_rank(p.rank);
+            if (!peer) {
                 put(why, "a Push claiming sender rank %" PRIu64 ", which is not a peer of "
                          "this party (rank %" PRIu64 "; peers [", p.rank, cfg.rank);
                 for (int i = 0; i < cfg.n_peers; i++)   /* sorted at start-up */
                     put(why, "%s%" PRIu64, i ? ", " : "", cfg.peers[i].rank);
                 put(why, "])");
                 got = -1;
+            } else {
+                pthread_mutex_lock(&lock);
+                c->peer = peer;
+                pthread_mutex_unlock(&lock);
             }
         }
-        if (got > 0 && check_push(&p, *peer, why)) got = -1;
+        if (got > 0 && check_push(&p, c->peer, c, why, anonymous)) got = -1;
+        if (got > 0 && p.has_seq && link_key(&p) && note_seq(c, c->peer, &p, why)) {
+            *anonymous = FORGED;
+            got = -1;
+        }
         if (got < 0) return -1;
         *at += p.frame_bytes;
         uint64_t size_of_message = p.chunked ? p.length : p.chunk_bytes;
@@ -642,44 +853,227 @@ static int check_frames(const unsigned char *buf, size_t filled, Peer **peer, si
     }
 }
 
-/* The peer's frames: checked, then relayed; returns when either side closes or a rule breaks. */
-static void relay_frames(Connection *c, unsigned char *buf, size_t size, size_t filled) {
-    size_t max_size = HEADER_BYTES + cfg.max_frame + READ_BYTES;
-    Peer *peer = NULL;
-    pthread_t reply_thread;
-    c->backend_fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (c->backend_fd < 0 || connect(c->backend_fd, (struct sockaddr *)&cfg.backend,
-                                     sizeof cfg.backend)) {
-        free(buf);
-        return;                      /* brpc not up yet: the peer retries */
+/* ----- the open connections (front.Front.admit, forget, close_without_hello) -------------- */
+
+static double seconds_since(const struct timespec *since) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - since->tv_sec) + (now.tv_nsec - since->tv_nsec) * 1e-9;
+}
+
+/* Events about connections closed without a hello, at most FLOOD_EVENTS_PER_S lines per source
+   address and second; the others are counted in one line at the end of that second (the
+   `flusher` thread). */
+static struct {
+    char source[INET6_ADDRSTRLEN];
+    struct timespec window;
+    uint64_t lines, suppressed;
+} floods[FLOOD_SOURCES];
+static int n_floods;
+
+static void note_without_hello(const char *source, const char *address, const char *node,
+                               const char *why) {
+    pthread_mutex_lock(&lock);
+    int at = -1;
+    for (int i = 0; i < n_floods && at < 0; i++)
+        if (!strcmp(floods[i].source, source)) at = i;
+    if (at < 0) {
+        if (n_floods >= FLOOD_SOURCES) n_floods = 0;
+        at = n_floods++;
+        snprintf(floods[at].source, sizeof floods[at].source, "%s", source);
+        clock_gettime(CLOCK_MONOTONIC, &floods[at].window);
+        floods[at].lines = floods[at].suppressed = 0;
     }
-    int one = 1;
-    setsockopt(c->backend_fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    struct timeval forever = {0, 0};        /* brpc connections idle between steps */
-    setsockopt(c->peer_fd, SOL_SOCKET, SO_RCVTIMEO, &forever, sizeof forever);
-    if (pthread_create(&reply_thread, NULL, replies, c)) {
-        free(buf);
-        return;
+    if (seconds_since(&floods[at].window) >= 1.0) {
+        clock_gettime(CLOCK_MONOTONIC, &floods[at].window);
+        floods[at].lines = 0;
     }
+    int log = floods[at].lines < FLOOD_EVENTS_PER_S;
+    if (log) floods[at].lines++;
+    else floods[at].suppressed++;
+    pthread_mutex_unlock(&lock);
+    if (log) event_count("closed a connection without a hello", address, node, why, source, 1);
+}
+
+/* front.Front.flush_flood, for every source whose second is over. */
+static void *flusher(void *arg) {
+    (void)arg;
     for (;;) {
-        size_t at;
-        Text why = {0};
-        int bad = check_frames(buf, filled, &peer, &at, &why) < 0;
-        if (at) {
+        struct timespec pause = {0, 100 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+        for (int i = 0;; i++) {
+            char source[INET6_ADDRSTRLEN];
+            uint64_t n = 0;
             pthread_mutex_lock(&lock);
-            stat_bytes += at;
+            if (i >= n_floods) {
+                pthread_mutex_unlock(&lock);
+                break;
+            }
+            if (floods[i].suppressed && seconds_since(&floods[i].window) >= 1.0) {
+                n = floods[i].suppressed;
+                floods[i].suppressed = 0;
+                memcpy(source, floods[i].source, sizeof source);
+            }
             pthread_mutex_unlock(&lock);
-            if (write_all(c->backend_fd, buf, at)) break;
+            if (n) {
+                Text why = {0};
+                put(&why, "%" PRIu64 " more connections from %s closed without a hello within a "
+                          "second (not logged one by one)", n, source);
+                event_count("closed a connection without a hello", source, NULL, why.text,
+                            source, n);
+            }
         }
-        if (bad) {
-            event("dropped a frame and closed the connection", c->address,
-                  peer ? peer->node : NULL, why.text);
-            struct linger now = {1, 0};     /* like asyncio's abort(): no lingering */
-            setsockopt(c->peer_fd, SOL_SOCKET, SO_LINGER, &now, sizeof now);
-            break;
+    }
+    return NULL;
+}
+
+/* Under `lock`: the oldest connection without a hello (of `source`, or any with NULL). */
+static Connection *oldest_waiting(const char *source) {
+    Connection *best = NULL;
+    for (size_t i = 0; i < table_size; i++) {
+        Connection *c = table[i];
+        if (!c || c->evicted || c->introduced || (source && strcmp(c->source, source))) continue;
+        if (!best || c->serial < best->serial) best = c;
+    }
+    return best;
+}
+
+static uint64_t open_from(const char *source) {
+    uint64_t n = 0;
+    for (size_t i = 0; i < table_size; i++)
+        if (table[i] && !table[i]->evicted && !strcmp(table[i]->source, source)) n++;
+    return n;
+}
+
+/* A connection closed for a newer one: what its event needs, copied under `lock`. */
+typedef struct {
+    char source[INET6_ADDRSTRLEN], address[96], node[72];
+    int has_node;
+    Text why;
+} Evicted;
+
+/* Under `lock`: close `v` for a newer connection; it no longer counts, nor do its unfinished
+   messages (its thread leaves the table when its read returns). */
+static void evict(Connection *v, Evicted *e) {
+    snprintf(e->source, sizeof e->source, "%s", v->source);
+    snprintf(e->address, sizeof e->address, "%s", v->address);
+    e->has_node = v->peer != NULL;
+    if (v->peer) snprintf(e->node, sizeof e->node, "%s", v->peer->node);
+    v->evicted = 1;
+    n_open--;
+    book_close(v);
+    shutdown(v->peer_fd, SHUT_RDWR);
+}
+
+/* front.Front.admit: count `c`, closing the oldest connection without a hello of a full scope
+   for it -> 0, or -1 (refused, with an event). */
+static int admit(Connection *c) {
+    Evicted gone[2];
+    int n_gone = 0, ok = 1;
+    Text refused = {0};
+    pthread_mutex_lock(&lock);
+    uint64_t mine = open_from(c->source);
+    if (mine >= cfg.max_per_source) {
+        Connection *v = oldest_waiting(c->source);
+        if (!v) {
+            put(&refused, "%s has %" PRIu64 " connections open, each past its hello (at most %"
+                PRIu64 " per source address)", c->source, mine, cfg.max_per_source);
+            ok = 0;
+        } else {
+            Evicted *e = &gone[n_gone++];
+            memset(&e->why, 0, sizeof e->why);
+            put(&e->why, "closed for a newer connection: the oldest without a hello of the %"
+                PRIu64 " connections open from %s (at most %" PRIu64 " per source address)",
+                mine, c->source, cfg.max_per_source);
+            evict(v, e);
         }
-        memmove(buf, buf + at, filled - at);
-        filled -= at;
+    }
+    if (ok && n_open >= cfg.max_connections) {
+        Connection *v = oldest_waiting(NULL);
+        if (!v) {
+            put(&refused, "%" PRIu64 " connections are open, each past its hello (at most %"
+                PRIu64 " in all)", n_open, cfg.max_connections);
+            ok = 0;
+        } else {
+            Evicted *e = &gone[n_gone++];
+            memset(&e->why, 0, sizeof e->why);
+            put(&e->why, "closed for a newer connection: the oldest without a hello of the %"
+                PRIu64 " connections open (at most %" PRIu64 " in all)", n_open,
+                cfg.max_connections);
+            evict(v, e);
+        }
+    }
+    if (ok) {
+        size_t slot = table_size;
+        for (size_t i = 0; i < table_size && slot == table_size; i++)
+            if (!table[i]) slot = i;
+        if (slot == table_size) {       /* closed ones whose threads have not left yet */
+            put(&refused, "%zu connections are still closing", table_size);
+            ok = 0;
+        } else {
+            c->serial = ++n_serial;
+            table[slot] = c;
+            n_open++;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    for (int i = 0; i < n_gone; i++)
+        note_without_hello(gone[i].source, gone[i].address,
+                           gone[i].has_node ? gone[i].node : NULL, gone[i].why.text);
+    if (!ok) event("refused a connection", c->address, NULL, refused.text);
+    return ok ? 0 : -1;
+}
+
+/* Under `lock`: `c`'s thread leaves (front.Front.forget). */
+static void forget(Connection *c) {
+    for (size_t i = 0; i < table_size; i++)
+        if (table[i] == c) table[i] = NULL;
+    if (!c->evicted) n_open--;
+    book_close(c);
+}
+
+/* ----- one connection --------------------------------------------------------------------- */
+
+/* The socket's receive timeout (0: none); *current: the one set. Rounded down to a quarter of a
+   second, so that the reads of one frame (and of frames in a row) seldom need a new one. */
+static void receive_timeout(int fd, double seconds, double *current) {
+    if (seconds > 0) seconds = seconds < 0.001 ? 0.001 : seconds < 0.25 ? seconds
+                                : (double)(long)(seconds * 4) / 4;
+    if (seconds == *current) return;
+    struct timeval t = {(time_t)seconds, (suseconds_t)((seconds - (double)(time_t)seconds) * 1e6)};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &t, sizeof t);
+    *current = seconds;
+}
+
+static int open_backend(Connection *c, pthread_t *reply_thread) {
+    c->backend_fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (c->backend_fd < 0 || connect(c->backend_fd, (struct sockaddr *)&cfg.backend,
+                                     sizeof cfg.backend))
+        return -1;                   /* brpc not up yet: the peer retries */
+    return pthread_create(reply_thread, NULL, replies, c) ? -1 : 0;
+}
+
+/* One connection: the hello, or checked frames relayed to brpc (opened with the first one),
+   each whole within the deadline; returns when either side closes, a rule breaks or a
+   deadline passes. */
+static void *serve(void *arg) {
+    Connection *c = arg;
+    size_t size = READ_BYTES, filled = 0, max_size = HEADER_BYTES + cfg.max_frame + READ_BYTES;
+    unsigned char *buf = malloc(size);
+    int mode = 0, introduced = 0, timed_out = 0, replying = 0;
+    double deadline = (double)cfg.deadline_ms / 1000.0, timeout = 0;
+    struct timespec since = c->started;         /* the frame (or hello) being read began */
+    pthread_t reply_thread;
+    while (buf) {
+        /* Reading a frame (or the hello): the receive timeout never reaches past its
+           deadline. Between frames a timeout left from before may wake the read: the clock,
+           not the timeout, decides (below). */
+        int in_frame = !introduced || filled > 0;
+        if (in_frame) {
+            double left = deadline - seconds_since(&since);
+            if (left <= 0) { timed_out = 1; break; }
+            if (timeout == 0 || timeout > left) receive_timeout(c->peer_fd, left, &timeout);
+        }
         if (size - filled < READ_BYTES / 2 && size < max_size) {
             size_t grown = size * 2 < max_size ? size * 2 : max_size;
             unsigned char *bigger = realloc(buf, grown);
@@ -689,46 +1083,87 @@ static void relay_frames(Connection *c, unsigned char *buf, size_t size, size_t 
         }
         ssize_t n = read(c->peer_fd, buf + filled, size - filled);
         if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            if (!in_frame) receive_timeout(c->peer_fd, 0, &timeout);    /* idle: none */
+            else if (seconds_since(&since) < deadline)
+                receive_timeout(c->peer_fd, deadline - seconds_since(&since), &timeout);
+            continue;           /* the deadline is checked before the next read */
+        }
         if (n <= 0) break;
+        if (!in_frame) clock_gettime(CLOCK_MONOTONIC, &since);
         filled += (size_t)n;
-    }
-    free(buf);
-    shutdown(c->backend_fd, SHUT_RDWR);     /* brpc still gets what was relayed, then the end */
-    shutdown(c->peer_fd, SHUT_RDWR);
-    pthread_join(reply_thread, NULL);
-}
-
-static void *serve(void *arg) {
-    Connection *c = arg;
-    size_t size = READ_BYTES, filled = 0;
-    unsigned char *buf = malloc(size);
-    int hello = 0;
-    while (buf) {
-        ssize_t n = read(c->peer_fd, buf + filled, size - filled);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) break;
-        filled += (size_t)n;
-        if (!hello) {
+        if (mode == 0) {
             size_t head = filled < 4 ? filled : 4;
             int brpc = !memcmp(buf, "PRPC", head), mpch = !memcmp(buf, "MPCH", head);
             if (!brpc && !mpch) { refuse_first_bytes(c, buf, head); break; }
             if (head < 4) continue;
-            if (brpc) {
-                relay_frames(c, buf, size, filled);
-                buf = NULL;
-                break;
-            }
-            hello = 1;
+            mode = brpc ? 2 : 1;
         }
-        if (filled >= HELLO_BYTES) { answer_hello(c, buf); break; }
+        if (mode == 1) {
+            if (filled < HELLO_BYTES) continue;
+            pthread_mutex_lock(&lock);
+            c->introduced = 1;
+            pthread_mutex_unlock(&lock);
+            answer_hello(c, buf);
+            break;
+        }
+        size_t at;
+        int anonymous = 0;
+        Text why = {0};
+        int bad = check_frames(buf, filled, c, &at, &why, &anonymous) < 0;
+        if (at) {
+            if (!replying) {
+                if (open_backend(c, &reply_thread)) break;
+                replying = 1;
+            }
+            pthread_mutex_lock(&lock);
+            stat_bytes += at;
+            c->introduced = introduced = 1;
+            pthread_mutex_unlock(&lock);
+            if (write_all(c->backend_fd, buf, at)) break;
+        }
+        if (bad) {
+            event(anonymous == FORGED ? "dropped a forged message and closed the connection"
+                                      : "dropped a frame and closed the connection",
+                  c->address, c->peer && !anonymous ? c->peer->node : NULL, why.text);
+            struct linger now = {1, 0};     /* like asyncio's abort(): no lingering */
+            setsockopt(c->peer_fd, SOL_SOCKET, SO_LINGER, &now, sizeof now);
+            break;
+        }
+        memmove(buf, buf + at, filled - at);
+        filled -= at;
+        if (at && filled) clock_gettime(CLOCK_MONOTONIC, &since);   /* the next frame began */
+    }
+    if (timed_out) {
+        pthread_mutex_lock(&lock);
+        int evicted = c->evicted;
+        pthread_mutex_unlock(&lock);
+        Text why = {0};
+        if (evicted) {
+            /* closed for a newer connection: said so then */
+        } else if (!introduced) {
+            put(&why, "no hello within %g s of its start (%zu bytes received)", deadline, filled);
+            note_without_hello(c->source, c->address, c->peer ? c->peer->node : NULL, why.text);
+        } else {
+            put(&why, "a frame not whole within %g s of its first byte (", deadline);
+            put_count(&why, filled);
+            put(&why, " bytes of it arrived)");
+            event("closed a slow connection", c->address, c->peer ? c->peer->node : NULL,
+                  why.text);
+            struct linger now = {1, 0};
+            setsockopt(c->peer_fd, SOL_SOCKET, SO_LINGER, &now, sizeof now);
+        }
     }
     free(buf);
+    if (c->backend_fd >= 0) shutdown(c->backend_fd, SHUT_RDWR);   /* brpc gets the end */
+    shutdown(c->peer_fd, SHUT_RDWR);
+    if (replying) pthread_join(reply_thread, NULL);
+    pthread_mutex_lock(&lock);
+    forget(c);
+    pthread_mutex_unlock(&lock);
     close(c->peer_fd);
     if (c->backend_fd >= 0) close(c->backend_fd);
     free(c);
-    pthread_mutex_lock(&lock);
-    open_connections--;
-    pthread_mutex_unlock(&lock);
     return NULL;
 }
 
@@ -761,22 +1196,31 @@ static void *control(void *arg) {
 }
 
 /* For front.py's tests only (--check instead of LISTEN_FD): cases on stdin, each a u32 BE
-   length and the bytes one new connection sends; per case one line on stdout, "<bytes that
-   pass> waits" or "<bytes that pass> error: <why>". The peers' ledgers persist across cases,
-   as across a peer's connections. */
+   length and the bytes one new connection ("case N", from 0) sends, which then closes; per
+   case one line on stdout, "<bytes that pass> waits" or "<bytes that pass> error: <why>"
+   ("error: (anonymous) <why>" when the event would name no node, "(forged) " for a forged
+   message's). The book of unfinished
+   messages persists across cases (a closed connection's stay in it). */
 static int check_mode(void) {
     unsigned char size[4];
-    while (fread(size, 1, 4, stdin) == 4) {
+    for (int serial = 0; fread(size, 1, 4, stdin) == 4; serial++) {
         size_t n = ((size_t)size[0] << 24) | ((size_t)size[1] << 16) | ((size_t)size[2] << 8)
                    | size[3];
         unsigned char *buf = malloc(n ? n : 1);
         if (!buf || fread(buf, 1, n, stdin) != n) { free(buf); return 2; }
-        Peer *peer = NULL;
+        Connection c = {.peer_fd = -1, .backend_fd = -1, .source = "?"};
+        snprintf(c.address, sizeof c.address, "case %d", serial);   /* its ConnLedger's */
         size_t at;
+        int anonymous = 0;
         Text why = {0};
-        if (check_frames(buf, n, &peer, &at, &why) < 0) printf("%zu error: %s\n", at, why.text);
+        if (check_frames(buf, n, &c, &at, &why, &anonymous) < 0)
+            printf("%zu error: %s%s\n", at, anonymous == FORGED ? "(forged) " : anonymous
+                   ? "(anonymous) " : "", why.text);
         else printf("%zu waits\n", at);
         fflush(stdout);
+        pthread_mutex_lock(&lock);
+        book_close(&c);
+        pthread_mutex_unlock(&lock);
         free(buf);
     }
     return 0;
@@ -793,18 +1237,29 @@ static int parse_count(const char *s, uint64_t *out) {
     return 0;
 }
 
+#define FIXED_ARGS 14
+
 int main(int argc, char **argv) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);       /* never outlive the party's worker */
     signal(SIGPIPE, SIG_IGN);
-    uint64_t listen_fd = 0, backend_port, max_msg;
-    if (argc < 11 || (argc - 11) % 2 || (argc - 11) / 2 > MAX_PEERS)
+    uint64_t listen_fd = 0, max_msg;
+    if (argc < FIXED_ARGS || (argc - FIXED_ARGS) % 2 || (argc - FIXED_ARGS) / 2 > MAX_PEERS)
         return usage("wrong number of arguments");
     int checking = !strcmp(argv[1], "--check");
-    if ((!checking && parse_count(argv[1], &listen_fd)) || parse_count(argv[2], &backend_port)
-        || backend_port > 65535 || parse_count(argv[4], &cfg.rank)
+    if ((!checking && parse_count(argv[1], &listen_fd)) || parse_count(argv[4], &cfg.rank)
         || parse_count(argv[7], &cfg.max_frame) || parse_count(argv[8], &max_msg)
-        || parse_count(argv[9], &cfg.max_buffered))
+        || parse_count(argv[9], &cfg.max_buffered) || parse_count(argv[11], &cfg.deadline_ms)
+        || parse_count(argv[12], &cfg.max_connections)
+        || parse_count(argv[13], &cfg.max_per_source))
         return usage("a number argument is not a number");
+    if (strlen(argv[2]) >= sizeof cfg.backend.sun_path)
+        return usage("the backend socket's path is too long");
+    if (!cfg.deadline_ms || !cfg.max_connections || !cfg.max_per_source
+        || cfg.max_connections > 4096)
+        return usage("the deadline and the connection caps must be above 0 (at most 4096 "
+                     "connections)");
+    cfg.backend.sun_family = AF_UNIX;
+    strcpy(cfg.backend.sun_path, argv[2]);
     cfg.party = argv[3];
     cfg.link_id = (const unsigned char *)argv[5];
     cfg.link_len = strlen(argv[5]);
@@ -817,7 +1272,7 @@ int main(int argc, char **argv) {
         cfg.hello_key[i] = (unsigned char)v;
     }
     if (strlen(cfg.party) > 64) return usage("the party id is too long");
-    for (int i = 11; i < argc; i += 2) {
+    for (int i = FIXED_ARGS; i < argc; i += 2) {
         Peer *p = &cfg.peers[cfg.n_peers++];
         if (strlen(argv[i]) >= sizeof p->node || parse_count(argv[i + 1], &p->rank))
             return usage("a peer is not NODE RANK");
@@ -829,6 +1284,13 @@ int main(int argc, char **argv) {
             cfg.peers[j] = cfg.peers[j - 1];
             cfg.peers[j - 1] = t;
         }
+    for (int i = 0; i < cfg.n_peers; i++)
+        if (!(cfg.peers[i].seen = calloc(SEEN_SLOTS, sizeof(Seen)))) return usage("out of memory");
+    book_max = MAX_UNFINISHED_MESSAGES * (cfg.n_peers + 1);
+    book = calloc((size_t)book_max, sizeof *book);
+    table_size = 2 * cfg.max_connections + 16;
+    table = calloc(table_size, sizeof *table);
+    if (!book || !table) return usage("out of memory");
     /* RpcMeta field 1 = {1: service, 2: method}, as brpc encodes yacl's Push. */
     size_t s = strlen(PUSH_SERVICE), m = strlen(PUSH_METHOD), k = 0;
     push_meta_prefix[k++] = 0x0a;
@@ -841,9 +1303,6 @@ int main(int argc, char **argv) {
     push_meta_prefix[k++] = (unsigned char)m;
     memcpy(push_meta_prefix + k, PUSH_METHOD, m);
     push_meta_prefix_len = k + m;
-    cfg.backend.sin_family = AF_INET;
-    cfg.backend.sin_port = htons((uint16_t)backend_port);
-    cfg.backend.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (checking) return check_mode();
 
     pthread_attr_t attr;
@@ -851,7 +1310,8 @@ int main(int argc, char **argv) {
     pthread_attr_setstacksize(&attr, 256 << 10);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_t thread;
-    if (pthread_create(&thread, &attr, control, NULL)) return usage("cannot start a thread");
+    if (pthread_create(&thread, &attr, control, NULL) || pthread_create(&thread, &attr, flusher, NULL))
+        return usage("cannot start a thread");
     for (;;) {
         struct sockaddr_storage from;
         socklen_t from_len = sizeof from;
@@ -869,39 +1329,32 @@ int main(int argc, char **argv) {
         if (!c) { close(fd); continue; }
         c->peer_fd = fd;
         c->backend_fd = -1;
-        char host[INET6_ADDRSTRLEN] = "?";
+        clock_gettime(CLOCK_MONOTONIC, &c->started);
         int port = 0;
+        snprintf(c->source, sizeof c->source, "?");
         if (from.ss_family == AF_INET) {
             struct sockaddr_in *a = (struct sockaddr_in *)&from;
-            inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+            inet_ntop(AF_INET, &a->sin_addr, c->source, sizeof c->source);
             port = ntohs(a->sin_port);
         } else if (from.ss_family == AF_INET6) {
             struct sockaddr_in6 *a = (struct sockaddr_in6 *)&from;
-            inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+            inet_ntop(AF_INET6, &a->sin6_addr, c->source, sizeof c->source);
             port = ntohs(a->sin6_port);
         }
-        snprintf(c->address, sizeof c->address, "%s:%d", host, port);
+        snprintf(c->address, sizeof c->address, "%s:%d", c->source, port);
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        struct timeval first_bytes = {FIRST_BYTES_S, 0};
-        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &first_bytes, sizeof first_bytes);
-        pthread_mutex_lock(&lock);
-        int too_many = open_connections >= MAX_CONNECTIONS;
-        if (!too_many) open_connections++;
-        pthread_mutex_unlock(&lock);
-        if (too_many) {
-            event("refused a connection", c->address, NULL,
-                  "more open connections than the front serves at once");
+        if (admit(c)) {
             close(fd);
             free(c);
             continue;
         }
         if (pthread_create(&thread, &attr, serve, c)) {
+            pthread_mutex_lock(&lock);
+            forget(c);
+            pthread_mutex_unlock(&lock);
             close(fd);
             free(c);
-            pthread_mutex_lock(&lock);
-            open_connections--;
-            pthread_mutex_unlock(&lock);
         }
     }
 }

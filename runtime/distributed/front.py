@@ -1,15 +1,27 @@
-"""The front door of a party: the only socket of a party that a peer can reach.
+"""The front door of a party: the only socket of a party that anything outside it can reach.
 
 Every party's public link port ("nodes" in the node config) is served by this front, a small
-asyncio TCP relay owned by the project; SPU's brpc server listens on 127.0.0.1 behind it.
-For each incoming connection the front
+asyncio TCP relay owned by the project. SPU's brpc server listens behind it on a Unix socket
+in the party's private directory (mode 0700, made by the party's supervisor or worker:
+`FrontSpec.private_dir`, `brpc.sock`), so brpc has no TCP port at all. For each incoming
+connection the front
 
-1. under TLS, terminates mutual TLS: the client certificate must chain to `link.tls.ca`,
-   have CN = a node id of the config (not this party's) and a subjectAltName for that node's
-   host (the identity rule of config.py). The connection is bound to that node;
-2. reads its first 4 bytes: b"PRPC" starts a brpc (baidu_std) stream, b"MPCH" the project's
+1. counts it: at most `max_connections` open in all and `max_per_source` from one source
+   address; a new connection over either cap closes the oldest connection of that scope that
+   has not sent its hello yet (its first whole frame, or the project's hello), else it is
+   refused. Its hello must arrive within `frame_deadline_s` of its start (TLS handshake
+   included), and every later frame within `frame_deadline_s` of its first byte; the clock
+   does not restart on a read, and between frames a connection may idle. Connections closed
+   without a hello are logged per source address (at most FLOOD_EVENTS_PER_S lines a second,
+   the rest counted), so that the party's blame can name the flood ("127.0.0.1 held 260
+   connections without a hello");
+2. under TLS, terminates mutual TLS (here, `loop.start_tls`, after counting the connection):
+   the client certificate must chain to `link.tls.ca`, have CN = a node id of the config (not
+   this party's) and a subjectAltName for that node's host (the identity rule of config.py).
+   The connection is bound to that node;
+3. reads its first 4 bytes: b"PRPC" starts a brpc (baidu_std) stream, b"MPCH" the project's
    hello (`hello_answer`, what liveness probes check), anything else is refused and closed;
-3. reads every brpc frame header before forwarding anything of it. A frame is
+4. reads every brpc frame header before forwarding anything of it. A frame is
 
        b"PRPC" | body_size u32 BE | meta_size u32 BE | RpcMeta (meta_size bytes) | payload
 
@@ -26,23 +38,31 @@ For each incoming connection the front
    length) or restates another length; the sender rank is not the node the
    connection is bound to (under TLS: its certificate; in plain TCP: its first frame), or
    is this party, or the key's `src->dst` is not `bound rank -> this party`; the unfinished
-   chunked messages of one peer would hold more than `max_buffered_bytes` or number more than
-   MAX_UNFINISHED_MESSAGES; with an outbound
-   side (TLS, or plain TCP to remote peers), the peer would have more than
-   `max_unread_messages` complete messages this party has not read (PeerLedger: the outbound
-   side reads this party's acknowledgements).
+   chunked messages the connection started would hold more than `max_buffered_bytes` or
+   number more than MAX_UNFINISHED_MESSAGES (each connection has its own budget, cleared
+   when it closes: UnfinishedBook), or those of all connections together, with what closed
+   ones left unfinished (the worker still holds their buffers), (peers + 1) times that (the
+   event then names the connection that holds the most, not this one); a message number of
+   a rank comes again under another key (two senders claim the rank: yacl keeps the first;
+   FORGED); with an outbound side (TLS, or plain TCP to remote peers), the peer would have
+   more than `max_unread_messages` complete messages this party has not read (PeerLedger:
+   the outbound side reads this party's acknowledgements).
 
 Frames are relayed whole (store and forward, at most one frame of `max_frame_bytes` buffered
-per connection), so nothing that fails a check reaches brpc. Under TLS, and in plain TCP when a
-peer is not on loopback (`relay_outbound`), a party's outgoing brpc connections also go through
-this process: brpc connects in plain TCP to a local port per peer (`outbound`), the front
-opens the connection to the peer's front (under TLS with this party's certificate, checking
-the peer's certificate by the identity rule before relaying a byte) and reads the
+per connection), so nothing that fails a check reaches brpc; the connection to brpc opens
+with the first frame that passes. Under TLS, and in plain TCP when a peer is not on loopback
+(`relay_outbound`), a party's outgoing brpc connections also go through this process: brpc
+connects to a Unix socket per peer in the private directory (`to_<node>.sock`, mode 0600),
+which serves the party's worker only (the connecting process, by SO_PEERCRED, must be
+`worker_pid`; any other is refused before a byte is read, with an event), and the front opens
+the connection to the peer's front (under TLS with this party's certificate, checking the
+peer's certificate by the identity rule before relaying a byte) and reads the
 acknowledgements among brpc's requests.
 
-Events (a refused connection, a dropped frame) are printed as one `[party X] front: ...`
-line each on stderr and appended as JSON lines to `events_path`, which the party's worker
-and supervisor read to name the peer when the run then fails.
+Events (a refused connection, a dropped frame, a connection closed without a hello or at a
+frame's deadline) are printed as one `[party X] front: ...` line each on stderr and
+appended as JSON lines to `events_path`, which the party's worker and supervisor read to
+name the peer (or the flood, or nobody) when the run then fails.
 
 In plain TCP without an outbound side or shaping (every party on loopback), when
 scripts/setup.sh has built fast_front.c, this process binds the public port, announces, and
@@ -51,8 +71,8 @@ the CPU per relayed frame (tests: every plain-TCP fault case against both, and a
 fuzz of their verdicts). MPCACHE_FAST_FRONT=off keeps this file's front.
 
 Runs as its own process (`python front.py SPEC_JSON`, stdlib only: it imports nothing of the
-project but its sibling certs.py), started by the party's worker (`party.start_front`); on start-up it
-prints one JSON line {"ready": true, "backend_port": P, "outbound": {node: port}} or
+project but its sibling certs.py), started by the party's worker (`party.start_front`); on
+start-up it prints one JSON line {"ready": true, "backend": PATH, "outbound": {node: PATH}} or
 {"error": "...", "kind": "address in use" | ...} and exits 2. Reads "cap N" lines on stdin
 (a new `max_message_bytes` once the prompt length is public) and "stats" lines (answers one
 JSON line: frames and bytes relayed to brpc, the most messages of one peer held unread,
@@ -67,10 +87,12 @@ import errno
 import hashlib
 import hmac
 import json
+import os
 import pathlib
 import re
 import socket
 import ssl
+import stat
 import struct
 import sys
 import time
@@ -105,6 +127,11 @@ SEQ_SEPARATOR = b"\x01\x02"
 # (yacl's throttle window holds at most 10 messages in flight); without a bound a peer could
 # declare millions of one-byte messages within max_buffered_bytes.
 MAX_UNFINISHED_MESSAGES = 64
+# The sequence numbers of the messages each peer rank delivered, in a table of this many slots
+# (slot = seq mod SEEN_SLOTS): a number that comes back under another key is a second sender
+# for that rank (yacl keeps the message that came first and drops the other as a duplicate).
+SEEN_SLOTS = 4096
+FORGED = "dropped a forged message and closed the connection"
 # Per-connection socket buffers of the relay (flow control: reading pauses above this).
 HIGH_WATER_BYTES = 4 << 20
 # An inbound connection's first read buffer; it grows (doubling) to hold a whole frame.
@@ -112,7 +139,12 @@ READ_BYTES = 64 << 10
 
 
 class FrameError(ValueError):
-    """A peer's bytes broke the front's rules; the message says which and how."""
+    """A peer's bytes broke the front's rules; the message says which and how. `anonymous`:
+    the fault is not (provably) this connection's own: the event then names no node; `kind`:
+    the event's kind."""
+
+    anonymous = False
+    kind = "dropped a frame and closed the connection"
 
 
 # ----- protobuf reading (integers and byte strings only) -------------------------------------
@@ -269,23 +301,17 @@ def parse_frame(buf, max_frame_bytes: int, at: int = 0) -> Push | None:
 
 @dataclasses.dataclass
 class PeerLedger:
-    """What one peer node has in flight: unfinished chunked messages {key: [length, got]};
-    with an outbound side also its complete messages this party has not read yet {seq: bytes}
-    (`unread`: yacl acknowledges a message, naming its sequence number, when the program reads
-    it, and a sender waits for acknowledgements once `throttle window` messages are unread, so
-    an honest peer never has more unread here). `read_floor`/`read_above`: the sequence numbers
-    already acknowledged (all up to the floor, and those above it), so that a retried
-    delivery of a read message is not counted again."""
+    """One peer node's complete messages this party has not read yet {seq: bytes}, with an
+    outbound side only (`unread`: yacl acknowledges a message, naming its sequence number, when
+    the program reads it, and a sender waits for acknowledgements once `throttle window`
+    messages are unread, so an honest peer never has more unread here). `read_floor` /
+    `read_above`: the sequence numbers already acknowledged (all up to the floor, and those
+    above it), so that a retried delivery of a read message is not counted again."""
 
-    unfinished: dict[bytes, list[int]] = dataclasses.field(default_factory=dict)
     unread: dict[int, int] = dataclasses.field(default_factory=dict)
     read_floor: int = 0
     read_above: set = dataclasses.field(default_factory=set)
     most_unread: int = 0       # the most messages held unread at once so far
-
-    @property
-    def buffered(self) -> int:
-        return sum(length for length, _ in self.unfinished.values())
 
     def received(self, seq: int, nbytes: int, max_unread: int) -> None:
         """A complete message `seq` of `nbytes` arrived; raises FrameError when the peer then
@@ -312,18 +338,141 @@ class PeerLedger:
             self.read_above.discard(self.read_floor)
 
 
+# ----- unfinished chunked messages, per connection ------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class ConnLedger:
+    """What one connection is charged for: the unfinished chunked messages it started (their
+    number and declared bytes). Cleared when the connection closes (UnfinishedBook.close)."""
+
+    address: str = "?"
+    node: str | None = None
+    count: int = 0
+    bytes: int = 0
+    keys: set = dataclasses.field(default_factory=set)
+
+    def label(self) -> str:
+        return f"{self.address} ({self.node})" if self.node else self.address
+
+
+@dataclasses.dataclass(eq=False)
+class Unfinished:
+    """One chunked message this party's worker holds a buffer for (yacl allocates the
+    declared length at the first chunk and frees it only when the message is whole)."""
+
+    length: int
+    got: int
+    owner: ConnLedger | None        # None: left by a connection that closed
+    left_by: str = ""
+
+
+class UnfinishedBook:
+    """Every unfinished chunked message of every connection, by (sender rank, key): a
+    connection may have at most MAX_UNFINISHED_MESSAGES of them and `max_buffered_bytes` of
+    declared lengths (its own budget: another connection claiming the same rank cannot use
+    it up); all connections together, with the messages left unfinished by connections that
+    closed (the worker still holds their buffers), at most (peers + 1) times that. A chunk of a
+    message left by a closed connection continues it (brpc resends on a new connection)."""
+
+    def __init__(self, max_buffered_bytes: int, peers: int):
+        self.max_buffered = max_buffered_bytes
+        self.max_count = MAX_UNFINISHED_MESSAGES * (peers + 1)
+        self.max_bytes = max_buffered_bytes * (peers + 1)
+        self.entries: dict[tuple[int, bytes], Unfinished] = {}
+        self.total_bytes = 0
+
+    def _charge(self, conn: ConnLedger, length: int) -> None:
+        if conn.count >= MAX_UNFINISHED_MESSAGES:
+            raise FrameError(f"{conn.count + 1} unfinished chunked messages in flight on this "
+                             f"connection, over the per-connection cap of "
+                             f"{MAX_UNFINISHED_MESSAGES}")
+        if conn.bytes + length > self.max_buffered:
+            raise FrameError(f"unfinished messages of {conn.bytes + length:,} bytes in flight "
+                             f"on this connection, over the per-connection cap of "
+                             f"{self.max_buffered:,}")
+
+    def _holder(self) -> tuple[str, int, int, ConnLedger | None]:
+        """The connection (or closed one) whose unfinished messages hold the most bytes ->
+        (label, bytes, messages, its ledger or None); ties: the first seen."""
+        held: dict[str, list] = {}
+        for entry in self.entries.values():
+            label = entry.owner.label() if entry.owner else f"{entry.left_by}, closed"
+            row = held.setdefault(label, [0, 0, entry.owner])
+            row[0] += entry.length
+            row[1] += 1
+        label, (nbytes, count, owner) = max(held.items(), key=lambda kv: kv[1][0])
+        return label, nbytes, count, owner
+
+    def chunk(self, conn: ConnLedger, rank: int, key: bytes, length: int,
+              chunk_bytes: int) -> bool:
+        """A chunk of `chunk_bytes` of the message (rank, key) of `length` bytes arrived on
+        `conn` -> whether the message is now whole. Raises FrameError (with `.anonymous` set
+        when the connection is not the one that holds the most: the event then names no
+        node)."""
+        entry = self.entries.get((rank, key))
+        if entry is None:
+            self._charge(conn, length)
+            if len(self.entries) >= self.max_count or self.total_bytes + length > self.max_bytes:
+                label, nbytes, count, owner = self._holder()
+                err = FrameError(
+                    f"{len(self.entries) + 1} unfinished chunked messages "
+                    f"({self.total_bytes + length:,} bytes) at this party, over its total of "
+                    f"{self.max_count} messages / {self.max_bytes:,} bytes for all connections "
+                    f"together; the most, {nbytes:,} bytes in {count}, from {label}")
+                err.anonymous = owner is not conn
+                raise err
+            entry = self.entries[(rank, key)] = Unfinished(length, 0, conn)
+            conn.count += 1
+            conn.bytes += length
+            conn.keys.add((rank, key))
+            self.total_bytes += length
+        elif entry.length != length:
+            raise FrameError(f"a chunk restating its message's length as {length:,} "
+                             f"(first {entry.length:,})")
+        elif entry.owner is None:
+            self._charge(conn, length)       # a message a closed connection left: resumed
+            entry.owner = conn
+            conn.count += 1
+            conn.bytes += length
+            conn.keys.add((rank, key))
+        entry.got += chunk_bytes
+        if entry.got > length:
+            raise FrameError(f"chunks adding up to {entry.got:,} bytes, over their message's "
+                             f"declared {length:,}")
+        if entry.got < length:
+            return False
+        del self.entries[(rank, key)]
+        self.total_bytes -= length
+        if entry.owner is not None:
+            entry.owner.count -= 1
+            entry.owner.bytes -= length
+            entry.owner.keys.discard((rank, key))
+        return True
+
+    def close(self, conn: ConnLedger) -> None:
+        """`conn` closed: its messages stay unfinished in the worker, charged to no
+        connection (they count in the total until whole)."""
+        label = conn.label()
+        for k in conn.keys:
+            entry = self.entries.get(k)
+            if entry is not None and entry.owner is conn:
+                entry.owner, entry.left_by = None, label
+        conn.keys.clear()
+        conn.count = conn.bytes = 0
+
+
 # MPCACHE_FRONT_DEBUG_KEYS=1: print each new shape of key seen (digits as N), once.
-import os as _os
-DEBUG_KEYS: set = {b""} if _os.environ.get("MPCACHE_FRONT_DEBUG_KEYS") else set()
+DEBUG_KEYS: set = {b""} if os.environ.get("MPCACHE_FRONT_DEBUG_KEYS") else set()
 CONTROL_KEYS = (b"ACK", b"FIN")
 CONNECT_KEY = re.compile(rb"connect_(\d{1,4})$")
 
 
 def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
-               max_message_bytes: int, max_buffered_bytes: int, ledger: PeerLedger,
-               max_unread: int = 0) -> None:
-    """The rules of the module docstring for one parsed frame from the peer of `bound_rank`;
-    updates `ledger` (and its unread window when `max_unread` > 0). Raises FrameError."""
+               max_message_bytes: int, book: UnfinishedBook, conn: ConnLedger,
+               peer: PeerLedger | None = None, max_unread: int = 0) -> None:
+    """The rules of the module docstring for one parsed frame from the peer of `bound_rank`
+    on the connection `conn`; updates `book` (unfinished chunked messages) and, when
+    `max_unread` > 0, the peer's unread window in `peer`. Raises FrameError."""
     if push.sender_rank != bound_rank:
         raise FrameError(f"a Push claiming sender rank {push.sender_rank} on a connection of "
                          f"rank {bound_rank}")
@@ -362,7 +511,7 @@ def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
             raise FrameError(f"a message of {push.chunk_bytes:,} bytes, over the cap of "
                              f"{max_message_bytes:,} (the largest the job's programs receive)")
         if max_unread and push.seq:
-            ledger.received(push.seq, push.chunk_bytes, max_unread)
+            peer.received(push.seq, push.chunk_bytes, max_unread)
         return
     length, offset = push.message_length, push.chunk_offset
     if length > max_message_bytes:
@@ -371,26 +520,9 @@ def check_push(push: Push, *, bound_rank: int, my_rank: int, link_id: bytes,
     if offset > length or push.chunk_bytes > length - offset:
         raise FrameError(f"a chunk at offset {offset:,} of {push.chunk_bytes:,} bytes that "
                          f"does not fit its message of {length:,} bytes")
-    entry = ledger.unfinished.get(push.key)
-    if entry is None:
-        if len(ledger.unfinished) >= MAX_UNFINISHED_MESSAGES:
-            raise FrameError(f"{len(ledger.unfinished) + 1} unfinished chunked messages in "
-                             f"flight, over the per-peer cap of {MAX_UNFINISHED_MESSAGES}")
-        if ledger.buffered + length > max_buffered_bytes:
-            raise FrameError(f"unfinished messages of {ledger.buffered + length:,} bytes in "
-                             f"flight, over the per-peer cap of {max_buffered_bytes:,}")
-        entry = ledger.unfinished[push.key] = [length, 0]
-    elif entry[0] != length:
-        raise FrameError(f"a chunk restating its message's length as {length:,} "
-                         f"(first {entry[0]:,})")
-    entry[1] += push.chunk_bytes
-    if entry[1] > length:
-        raise FrameError(f"chunks adding up to {entry[1]:,} bytes, over their message's "
-                         f"declared {length:,}")
-    if entry[1] == length:
-        del ledger.unfinished[push.key]
-        if max_unread and push.seq:
-            ledger.received(push.seq, length, max_unread)
+    if book.chunk(conn, bound_rank, push.key, length, push.chunk_bytes) and max_unread \
+            and push.seq:
+        peer.received(push.seq, length, max_unread)
 
 
 def note_acknowledgements(buf, at: int, max_frame_bytes: int, ledger: PeerLedger) -> int:
@@ -447,12 +579,38 @@ def check_hello_reply(reply: bytes, hello_key: bytes, nonce: bytes, node: str) -
 
 # ----- the relay ----------------------------------------------------------------------------
 
+# A whole frame must arrive within this long of its first byte, and a connection's hello (its
+# first whole frame, or the project's hello) within this long of the connection's start (TLS
+# handshake included). The clock does not restart on every read; between frames a connection
+# may stay idle (brpc's connections wait between steps).
+FRAME_DEADLINE_S = 10.0
+# Open connections to the public port: at most MAX_CONNECTIONS in all and MAX_PER_SOURCE
+# from one source address. A new connection over either cap closes the oldest connection of
+# that scope that has not sent its hello yet; if every one has, the new one is refused.
+MAX_CONNECTIONS = 256
+MAX_PER_SOURCE = 64
+# Events about connections closed without a hello: at most this many lines per source
+# address and second; the others are counted in the next line ("connections": n).
+FLOOD_EVENTS_PER_S = 20
+FLOOD_SOURCES = 4096
+# In the party's private directory (mode 0700, made by its worker): the socket brpc listens
+# on, and one socket per peer for brpc's outgoing connections (outbound side only).
+BACKEND_SOCKET = "brpc.sock"
+
+
+def outbound_socket(private_dir: str, node: str) -> str:
+    return os.path.join(private_dir, f"to_{node.replace(':', '_')}.sock")
+
+
 @dataclasses.dataclass(frozen=True)
 class FrontSpec:
     """Everything the front process needs, as JSON (no config loading in the front).
 
     peers: {node id: {"rank": int, "host": str, "address": "host:port"}} of every other party;
-    sizes in bytes; tls: {"ca", "cert", "key", "verify_depth"} paths or None."""
+    sizes in bytes; tls: {"ca", "cert", "key", "verify_depth"} paths or None; private_dir:
+    the party's directory that only its own user may enter (brpc's socket and the outbound
+    sockets live there); worker_pid: the one process the outbound sockets serve (the party's
+    worker, whose brpc connects there)."""
 
     party: str
     rank: int
@@ -465,6 +623,8 @@ class FrontSpec:
     max_message_bytes: int
     max_buffered_bytes: int
     events_path: str
+    private_dir: str
+    worker_pid: int = 0
     # The most complete messages of one peer this party may hold unread (the link's throttle
     # window + slack; 0 = no bound). Needs the outbound side, which sees this party's
     # acknowledgements: under TLS, or with `relay_outbound` (plain TCP to remote peers).
@@ -475,6 +635,9 @@ class FrontSpec:
     # its connection's rate (bytes per second, None = none), then `delay_s`.
     delay_s: float = 0.0
     rate_bytes_s: float | None = None
+    frame_deadline_s: float = FRAME_DEADLINE_S
+    max_connections: int = MAX_CONNECTIONS
+    max_per_source: int = MAX_PER_SOURCE
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -482,6 +645,30 @@ class FrontSpec:
     @classmethod
     def from_json(cls, text: str) -> "FrontSpec":
         return cls(**json.loads(text))
+
+    @property
+    def backend_path(self) -> str:
+        return os.path.join(self.private_dir, BACKEND_SOCKET)
+
+
+def check_private_dir(spec: FrontSpec) -> str | None:
+    """Why spec.private_dir cannot hold the party's Unix sockets (None if it can): it must be
+    a directory of this user that nobody else may enter (no group or other permissions), and
+    short enough for each socket's path (107 bytes)."""
+    path = spec.private_dir
+    try:
+        info = os.lstat(path)
+    except OSError as err:
+        return f"the private directory {path!r} cannot be read ({err.strerror})"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"the private directory {path!r} is not a directory"
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return (f"the private directory {path!r} must belong to this user and have mode 0700 "
+                f"(it has uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):o})")
+    for socket_path in [spec.backend_path] + [outbound_socket(path, p) for p in spec.peers]:
+        if len(socket_path.encode()) > 107:
+            return f"{socket_path!r} is too long for a Unix socket's path (107 bytes)"
+    return None
 
 
 def certificate_node(cert: dict | None, peers: dict[str, dict]) -> tuple[str | None, str]:
@@ -499,33 +686,119 @@ def certificate_node(cert: dict | None, peers: dict[str, dict]) -> tuple[str | N
 
 
 class Front:
-    """The relay's state: spec, per-peer ledgers, the event log."""
+    """The relay's state: spec, the open connections by source address, the unfinished
+    messages of every connection, the peers' unread windows, the event log."""
 
-    def __init__(self, spec: FrontSpec, backend_port: int):
-        self.spec, self.backend_port = spec, backend_port
+    def __init__(self, spec: FrontSpec):
+        self.spec = spec
         self.hello_key = bytes.fromhex(spec.hello_key)
         self.link_id = spec.link_id.encode()
         self.rank_of = {node: int(p["rank"]) for node, p in spec.peers.items()}
         self.node_of = {r: n for n, r in self.rank_of.items()}
         self.ledgers: dict[str, PeerLedger] = {}
+        self.book = UnfinishedBook(spec.max_buffered_bytes, len(spec.peers))
+        self.seen: dict[int, dict] = {}     # rank -> {seq % SEEN_SLOTS: (seq, key, label)}
         self.max_unread = spec.max_unread_messages if (spec.tls or spec.relay_outbound) else 0
+        self.no_window: set[str] = set()    # peers whose acknowledgements could not be read
         self.max_message_bytes = spec.max_message_bytes
         # Relayed so far: frames, bytes, the largest message (declared length) seen.
         self.stats = {"frames": 0, "bytes": 0, "max_message": 0}
+        self.open: dict[str, list] = {}     # source address -> its open connections, oldest first
+        self.n_open = 0
+        self.flood: dict[str, list] = {}    # source -> [second, lines in it, not logged]
 
     def ledger(self, node: str) -> PeerLedger:
-        """The ledger of peer `node` (shared by its inbound connections and the outbound side
-        that sees this party's acknowledgements to it)."""
+        """The unread window of peer `node` (shared by its inbound connections and the
+        outbound side that sees this party's acknowledgements to it)."""
         found = self.ledgers.get(node)
         if found is None:
             found = self.ledgers[node] = PeerLedger()
         return found
 
+    # -- connections --
+
+    def admit(self, conn) -> bool:
+        """Count a new connection (`conn.source`, `.address`, `.introduced`); over a cap, close
+        the oldest connection without a hello of that scope for it -> False if none could be
+        (the new one is then refused, with an event)."""
+        spec = self.spec
+        mine = self.open.setdefault(conn.source, [])
+        if len(mine) >= spec.max_per_source:
+            victim = next((c for c in mine if not c.introduced), None)
+            if victim is None:
+                self.event("refused a connection", conn.address, None,
+                           f"{conn.source} has {len(mine)} connections open, each past its "
+                           f"hello (at most {spec.max_per_source} per source address)")
+                return False
+            self.close_without_hello(victim, f"closed for a newer connection: the oldest "
+                                     f"without a hello of the {len(mine)} connections open "
+                                     f"from {conn.source} (at most {spec.max_per_source} per "
+                                     "source address)")
+        if self.n_open >= spec.max_connections:
+            waiting = [c for conns in self.open.values() for c in conns if not c.introduced]
+            if not waiting:
+                self.event("refused a connection", conn.address, None,
+                           f"{self.n_open} connections are open, each past its hello (at "
+                           f"most {spec.max_connections} in all)")
+                return False
+            victim = min(waiting, key=lambda c: c.serial)
+            self.close_without_hello(victim, f"closed for a newer connection: the oldest "
+                                     f"without a hello of the {self.n_open} connections open "
+                                     f"(at most {spec.max_connections} in all)")
+        conn.serial = self.n_serial = getattr(self, "n_serial", 0) + 1
+        mine.append(conn)
+        self.n_open += 1
+        return True
+
+    def forget(self, conn) -> None:
+        """`conn` closed: it no longer counts, nor do the unfinished messages it started."""
+        mine = self.open.get(conn.source)
+        if mine is not None and conn in mine:
+            mine.remove(conn)
+            self.n_open -= 1
+            if not mine:
+                del self.open[conn.source]
+        self.book.close(conn.unfinished)
+
+    def close_without_hello(self, conn, why: str) -> None:
+        """Close `conn`, which has not sent its hello, with an event (at most
+        FLOOD_EVENTS_PER_S lines per source address and second; the others are counted in
+        one line at the end of that second)."""
+        conn.abort()
+        self.forget(conn)
+        now = time.monotonic()
+        if conn.source not in self.flood and len(self.flood) >= FLOOD_SOURCES:
+            self.flood.clear()
+        window = self.flood.setdefault(conn.source, [now, 0, 0])
+        if now - window[0] >= 1.0:
+            window[0], window[1] = now, 0
+        if window[1] >= FLOOD_EVENTS_PER_S:
+            window[2] += 1
+            if window[2] == 1:
+                asyncio.get_running_loop().call_later(window[0] + 1.0 - now,
+                                                      self.flush_flood, conn.source)
+            return
+        window[1] += 1
+        self.event("closed a connection without a hello", conn.address, conn.node, why,
+                   source=conn.source, connections=1)
+
+    def flush_flood(self, source: str) -> None:
+        """The connections of `source` closed without a hello but not logged one by one."""
+        window = self.flood.get(source)
+        if window and window[2]:
+            n, window[2] = window[2], 0
+            self.event("closed a connection without a hello", source, None,
+                       f"{n} more connections from {source} closed without a hello within a "
+                       "second (not logged one by one)", source=source, connections=n)
+
+    # -- frames --
+
     def check_frames(self, conn, view) -> tuple[int, FrameError | None]:
         """The whole frames at the start of `view` from connection `conn` (its .node: the peer
-        node it is bound to, None until its first frame binds it in plain TCP; .ledger) ->
-        (bytes of those that pass, None), or the same and the FrameError of the first that
-        does not. Counts the frames that pass in `stats`."""
+        node it is bound to, None until its first frame binds it in plain TCP; .ledger: that
+        node's unread window; .unfinished: its ConnLedger) -> (bytes of those that pass, None),
+        or the same and the FrameError of the first that does not. Counts the frames that
+        pass in `stats`."""
         spec, at = self.spec, 0
         while True:
             try:
@@ -539,13 +812,17 @@ class Front:
                         raise FrameError(f"a Push claiming sender rank {push.sender_rank}, "
                                          f"which is not a peer of this party (rank "
                                          f"{spec.rank}; peers {sorted(self.rank_of.values())})")
-                    conn.node = node
+                    conn.node = conn.unfinished.node = node
                 if conn.ledger is None:     # one per peer node, shared by its connections
                     conn.ledger = self.ledger(conn.node)
-                check_push(push, bound_rank=self.rank_of[conn.node], my_rank=spec.rank,
+                rank = self.rank_of[conn.node]
+                check_push(push, bound_rank=rank, my_rank=spec.rank,
                            link_id=self.link_id, max_message_bytes=self.max_message_bytes,
-                           max_buffered_bytes=spec.max_buffered_bytes, ledger=conn.ledger,
-                           max_unread=self.max_unread)
+                           book=self.book, conn=conn.unfinished, peer=conn.ledger,
+                           max_unread=0 if conn.node in self.no_window else self.max_unread)
+                if push.seq and push.key not in CONTROL_KEYS \
+                        and not CONNECT_KEY.fullmatch(push.key):
+                    self.note_seq(conn.unfinished, rank, push)
             except FrameError as err:
                 return at, err
             at += push.frame_bytes
@@ -554,12 +831,31 @@ class Front:
             if size > self.stats["max_message"]:
                 self.stats["max_message"] = size
 
-    def event(self, kind: str, peer_address: str, node: str | None, why: str) -> None:
+    def note_seq(self, conn: ConnLedger, rank: int, push: Push) -> None:
+        """Message `push.seq` of `rank` arrived on `conn` under `push.key`: FrameError if that
+        number came under another key before (two senders claim the rank: in plain TCP any
+        process here can; yacl keeps the first message and drops this one)."""
+        table = self.seen.setdefault(rank, {})
+        slot = push.seq % SEEN_SLOTS
+        before = table.get(slot)
+        if before is not None and before[0] == push.seq and before[1] != push.key:
+            err = FrameError(
+                f"message {push.seq} of rank {rank} under the key {push.key[:80]!r} on "
+                f"{conn.label()}, after it came under the key {before[1][:80]!r} on "
+                f"{before[2]}: two connections claim rank {rank}, and yacl keeps the first")
+            err.anonymous = self.spec.tls is None
+            err.kind = FORGED
+            raise err
+        if before is None or before[0] != push.seq:
+            table[slot] = (push.seq, push.key, conn.label())
+
+    def event(self, kind: str, peer_address: str, node: str | None, why: str,
+              **extra) -> None:
         who = f"{node} ({peer_address})" if node else peer_address
         line = f"[party {self.spec.party}] front: {kind} from {who}: {why}"
         print(line, file=sys.stderr, flush=True)
         record = {"t": time.time(), "kind": kind, "address": peer_address, "node": node,
-                  "why": why}
+                  "why": why, **extra}
         with open(self.spec.events_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -569,10 +865,12 @@ class _Inbound(asyncio.BufferedProtocol):
 
     The event loop reads straight into `buf` (a BufferedProtocol), which holds at most the
     current frame and the start of the next: a frame spread over many reads is copied once,
-    when it is forwarded, not once per read and again when whole."""
+    when it is forwarded, not once per read and again when whole. Under TLS the connection
+    is counted from its first byte and the handshake runs here (`loop.start_tls`), within
+    the hello's deadline."""
 
-    def __init__(self, front: Front):
-        self.front = front
+    def __init__(self, front: Front, tls: ssl.SSLContext | None = None):
+        self.front, self.tls = front, tls
         self.buf = bytearray(READ_BYTES)
         self.filled = 0                     # buf[:filled] has been read and not yet forwarded
         # The most buf may grow to: a whole frame of the largest size the link sends (the
@@ -580,34 +878,100 @@ class _Inbound(asyncio.BufferedProtocol):
         self.max_buf = HEADER.size + front.spec.max_frame_bytes + READ_BYTES
         self.mode = None
         self.node: str | None = None        # the peer node the connection is bound to
-        self.ledger: PeerLedger | None = None   # that node's
+        self.ledger: PeerLedger | None = None   # that node's unread window
+        self.unfinished = ConnLedger()
         self.pipe: _Relay | None = None     # brpc's side: its replies come back through it
+        self.opening = False
         self.pending: list[bytes] = []
         self.closed = False
+        self.introduced = False             # its hello (a whole first frame) has arrived
+        self.tls_ready = tls is None        # under TLS: handshake done, certificate checked
+        self.frame_since: float | None = None   # the frame being read began (None: idle)
+        self.timer = None
         self.free_at = 0.0          # shaping: when this connection's rate is free again
         self.queued = 0             # shaping: bytes waiting for their release time
 
     def connection_made(self, transport):
         self.transport = transport
-        transport.set_write_buffer_limits(high=HIGH_WATER_BYTES)
         peer = transport.get_extra_info("peername") or ("?", 0)
-        self.address = f"{peer[0]}:{peer[1]}"
-        if self.front.spec.tls is not None:
-            node, why = certificate_node(transport.get_extra_info("peercert"),
-                                         self.front.spec.peers)
-            if node is None:
-                self._refuse("refused a TLS client", why)
-                return
-            self.node = node
-
-    def _refuse(self, kind: str, why: str) -> None:
-        if self.closed:
+        self.source = str(peer[0])
+        self.address = self.unfinished.address = f"{peer[0]}:{peer[1]}"
+        if not self.front.admit(self):
+            self.closed = True
+            transport.abort()
             return
+        transport.set_write_buffer_limits(high=HIGH_WATER_BYTES)
+        self.frame_since = asyncio.get_running_loop().time()
+        self._arm()
+        if self.tls is not None:
+            transport.pause_reading()    # the handshake's bytes are start_tls's, not frames
+            asyncio.ensure_future(self._handshake())
+
+    async def _handshake(self):
+        loop = asyncio.get_running_loop()
+        try:
+            # Its own timeout comes after the hello's deadline (`_deadline`), which decides.
+            transport = await loop.start_tls(
+                self.transport, self, self.tls, server_side=True,
+                ssl_handshake_timeout=self.front.spec.frame_deadline_s + 5)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError) as err:
+            if not self.closed:
+                self._refuse("refused a TLS client", f"the TLS handshake failed "
+                             f"({getattr(err, 'reason', None) or type(err).__name__})")
+            return
+        if self.closed:
+            transport.abort()
+            return
+        self.transport = transport
+        node, why = certificate_node(transport.get_extra_info("peercert"), self.front.spec.peers)
+        if node is None:
+            self._refuse("refused a TLS client", why)
+            return
+        self.node = self.unfinished.node = node
+        self.tls_ready = True
+        if self.filled:     # what arrived before this coroutine resumed
+            self._received()
+
+    def abort(self) -> None:
         self.closed = True
-        self.front.event(kind, self.address, self.node, why)
         self.transport.abort()
         if self.pipe is not None and self.pipe.transport is not None:
             self.pipe.transport.close()
+
+    def _refuse(self, kind: str, why: str, anonymous: bool = False) -> None:
+        if self.closed:
+            return
+        self.front.event(kind, self.address, None if anonymous else self.node, why)
+        self.abort()
+
+    # -- the deadline of the frame (or hello) being read --
+
+    def _arm(self) -> None:
+        if self.timer is None and self.frame_since is not None:
+            self.timer = asyncio.get_running_loop().call_at(
+                self.frame_since + self.front.spec.frame_deadline_s, self._deadline)
+
+    def _deadline(self) -> None:
+        self.timer = None
+        if self.closed or self.frame_since is None:
+            return
+        now = asyncio.get_running_loop().time()
+        limit = self.front.spec.frame_deadline_s
+        if not self.transport.is_reading() and self.introduced:
+            self.frame_since = now       # brpc (or the shaper) holds the bytes, not the peer
+        if now < self.frame_since + limit:
+            self._arm()
+            return
+        if not self.introduced:
+            got = ("its TLS handshake did not complete" if self.tls is not None
+                   and self.node is None else f"{self.filled} bytes received")
+            self.front.close_without_hello(self, f"no hello within {limit:g} s of its start "
+                                                 f"({got})")
+            return
+        self.front.event("closed a slow connection", self.address, self.node,
+                         f"a frame not whole within {limit:g} s of its first byte "
+                         f"({self.filled:,} bytes of it arrived)")
+        self.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.closed:
@@ -620,6 +984,12 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.closed:
             return
         self.filled += nbytes
+        if self.tls_ready:
+            self._received()
+        # Under TLS, bytes that arrive between the end of the handshake and `_handshake`
+        # resuming wait in buf (replies must go out through the TLS transport).
+
+    def _received(self) -> None:
         if self.mode == "brpc":
             self._frames()
             return
@@ -634,7 +1004,6 @@ class _Inbound(asyncio.BufferedProtocol):
                 self.mode = "hello"
             elif head == BRPC_MAGIC:
                 self.mode = "brpc"
-                asyncio.ensure_future(self._open_backend())
                 self._frames()
                 return
             else:
@@ -646,6 +1015,7 @@ class _Inbound(asyncio.BufferedProtocol):
             if nonce is None:
                 self._refuse("refused a connection", "a malformed hello")
                 return
+            self.introduced = True
             self.transport.write(HELLO_MAGIC + hello_answer(self.front.hello_key, nonce,
                                                             self.front.spec.party))
             self.transport.close()
@@ -660,12 +1030,18 @@ class _Inbound(asyncio.BufferedProtocol):
         self._forward(view, at)     # the whole frames before a bad one were checked
         view.release()
         if err is not None:
-            self._refuse("dropped a frame and closed the connection", str(err))
+            self._refuse(err.kind, str(err), err.anonymous)
             return
         if at:
+            self.introduced = True
             rest = self.filled - at
             self.buf[:rest] = self.buf[at:self.filled]
             self.filled = rest
+            # The next frame began in this read, or the connection is between frames.
+            self.frame_since = asyncio.get_running_loop().time() if rest else None
+        elif self.frame_since is None:
+            self.frame_since = asyncio.get_running_loop().time()
+        self._arm()
 
     def _forward(self, view, end: int) -> None:
         """Send view[:end] (checked frames) to brpc, or keep it until brpc's side is open;
@@ -696,14 +1072,17 @@ class _Inbound(asyncio.BufferedProtocol):
     def _deliver(self, chunk: bytes) -> None:
         if self.pipe is not None and self.pipe.transport is not None:
             self.pipe.transport.write(chunk)
-        else:
-            self.pending.append(chunk)
+            return
+        self.pending.append(chunk)
+        if not self.opening:        # brpc's side opens with the first checked frame
+            self.opening = True
+            asyncio.ensure_future(self._open_backend())
 
     async def _open_backend(self):
         loop = asyncio.get_running_loop()
         try:
-            _, pipe = await loop.create_connection(lambda: _Relay(self), "127.0.0.1",
-                                                   self.front.backend_port)
+            _, pipe = await loop.create_unix_connection(lambda: _Relay(self),
+                                                        self.front.spec.backend_path)
         except OSError:
             self.transport.close()    # brpc not up yet: the client retries
             self.closed = True
@@ -723,6 +1102,10 @@ class _Inbound(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc):
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.front.forget(self)
         if self.pipe is not None and self.pipe.transport is not None:
             self.pipe.transport.close()
 
@@ -768,10 +1151,20 @@ class _Relay(asyncio.Protocol):
             self.other.transport.resume_reading()
 
 
+def peer_process(transport) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix-socket transport (SO_PEERCRED:
+    the process that connected)."""
+    sock = transport.get_extra_info("socket")
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
+
+
 class _Outbound(_Relay):
     """The local half of an outbound relay: this party's brpc requests to `peer`, read for
     the acknowledgements that mark the peer's messages as read (PeerLedger.unread) before
-    they are forwarded."""
+    they are forwarded. Serves the party's worker only: a connection from any other process
+    (SO_PEERCRED) is refused before a byte of it is read."""
 
     def __init__(self, front: Front, peer: str, ctx: ssl.SSLContext | None):
         super().__init__()
@@ -780,6 +1173,17 @@ class _Outbound(_Relay):
         self.buf = bytearray()
 
     def connection_made(self, transport):
+        try:
+            pid, uid = peer_process(transport)
+        except (OSError, AttributeError, struct.error):
+            pid, uid = -1, -1
+        if pid != self.front.spec.worker_pid:
+            self.front.event("refused a local connection", f"pid {pid}", None,
+                             f"the outbound socket to {self.peer} serves this party's worker "
+                             f"(pid {self.front.spec.worker_pid}) only; pid {pid} (uid {uid}) "
+                             "connected")
+            transport.abort()
+            return
         super().connection_made(transport)
         asyncio.ensure_future(_outbound(self.front, self.peer, self, self.ctx))
 
@@ -790,11 +1194,11 @@ class _Outbound(_Relay):
                 del self.buf[:note_acknowledgements(self.buf, 0, self.front.spec.max_frame_bytes,
                                                     self.ledger)]
             except FrameError as err:
-                # Never from this party's own brpc: stop reading rather than hold its peer to
-                # a window it can no longer see released.
+                # Never from this party's own brpc (the only process served here): stop
+                # reading rather than hold the peer to a window no longer seen released.
                 self.front.event("stopped reading this party's frames", "outbound",
                                  self.peer, str(err))
-                self.front.max_unread = 0
+                self.front.no_window.add(self.peer)
                 self.ledger, self.buf = None, bytearray()
         super().data_received(data)
 
@@ -843,35 +1247,33 @@ async def _outbound(front: Front, peer: str, local: _Outbound,
         transport.close()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _announce_error(announce, error: str, kind: str) -> None:
+    announce(json.dumps({"error": error, "kind": kind}))
+    raise SystemExit(2)
 
 
 async def serve(spec: FrontSpec, announce=print) -> None:
-    """Bind the public port (and, with an outbound side, one local port per peer), announce,
-    serve."""
+    """Bind the public port (and, with an outbound side, one Unix socket per peer in the
+    party's private directory), announce, serve."""
     loop = asyncio.get_running_loop()
-    backend_port = free_port()
-    front = Front(spec, backend_port)
+    front = Front(spec)
     server_ctx = _server_context(spec.tls) if spec.tls else None
     try:
-        server = await loop.create_server(lambda: _Inbound(front), spec.listen_host,
-                                          spec.listen_port, ssl=server_ctx,
-                                          reuse_address=True)
+        server = await loop.create_server(lambda: _Inbound(front, server_ctx), spec.listen_host,
+                                          spec.listen_port, reuse_address=True)
     except OSError as err:
         _cannot_listen(spec, err, announce)
     outbound = {}
-    servers = [server]
+    servers = [server]      # held: a server object that is collected stops listening
     if spec.tls or spec.relay_outbound:
         client_ctx = _client_context(spec.tls) if spec.tls else None
         for peer in spec.peers:
-            srv = await loop.create_server(lambda peer=peer: _Outbound(front, peer, client_ctx),
-                                           "127.0.0.1", 0)
-            servers.append(srv)
-            outbound[peer] = srv.sockets[0].getsockname()[1]
-    announce(json.dumps({"ready": True, "backend_port": backend_port, "outbound": outbound}))
+            path = outbound_socket(spec.private_dir, peer)
+            servers.append(await loop.create_unix_server(
+                lambda peer=peer: _Outbound(front, peer, client_ctx), path))
+            os.chmod(path, 0o600)
+            outbound[peer] = path
+    announce(json.dumps({"ready": True, "backend": spec.backend_path, "outbound": outbound}))
 
     async def control():
         reader = asyncio.StreamReader()
@@ -890,6 +1292,7 @@ async def serve(spec: FrontSpec, announce=print) -> None:
                                      "cpu_s": round(time.process_time(), 4)}))
     await control()
     await asyncio.Event().wait()
+    del servers
 
 
 def _die_with_parent() -> None:
@@ -1017,21 +1420,25 @@ def _cannot_listen(spec: FrontSpec, err: OSError, announce) -> None:
 def exec_fast_front(spec: FrontSpec, binary: pathlib.Path, announce) -> None:
     """Bind the public port, announce, and replace this process with the C front, which
     inherits the bound socket, the control pipe and stderr (does not return)."""
-    import os
     family = socket.AF_INET6 if ":" in spec.listen_host else socket.AF_INET
     try:
         listener = socket.create_server((spec.listen_host, spec.listen_port), family=family)
     except OSError as err:
         _cannot_listen(spec, err, announce)
-    backend_port = free_port()
-    announce(json.dumps({"ready": True, "backend_port": backend_port, "outbound": {},
+    announce(json.dumps({"ready": True, "backend": spec.backend_path, "outbound": {},
                          "program": "fast_front"}))
     os.set_inheritable(listener.fileno(), True)
+    os.execv(binary, [str(binary), str(listener.fileno())] + fast_front_args(spec))
+
+
+def fast_front_args(spec: FrontSpec) -> list[str]:
+    """The C front's arguments after LISTEN_FD (fast_front.c's usage)."""
     peers = [str(x) for node, p in spec.peers.items() for x in (node, int(p["rank"]))]
-    os.execv(binary, [str(binary), str(listener.fileno()), str(backend_port), spec.party,
-                      str(spec.rank), spec.link_id, spec.hello_key, str(spec.max_frame_bytes),
-                      str(spec.max_message_bytes), str(spec.max_buffered_bytes),
-                      spec.events_path] + peers)
+    return [spec.backend_path, spec.party, str(spec.rank), spec.link_id, spec.hello_key,
+            str(spec.max_frame_bytes), str(spec.max_message_bytes),
+            str(spec.max_buffered_bytes), spec.events_path,
+            str(round(spec.frame_deadline_s * 1000)), str(spec.max_connections),
+            str(spec.max_per_source)] + peers
 
 
 def install_fast_front() -> str:
@@ -1055,15 +1462,23 @@ def main(argv: list[str]) -> int:
     _die_with_parent()
     spec = FrontSpec.from_json(argv[1])
     announce = lambda line: print(line, flush=True)    # noqa: E731
+    why = check_private_dir(spec)
+    if why:
+        _announce_error(announce, why, "front")
     fast = fast_front_binary(spec)
     if fast is not None:
         exec_fast_front(spec, fast, announce)
     _keep_freed_memory(spec.max_frame_bytes)
-    try:
-        import uvloop      # optional: about 2x less CPU per relayed frame than asyncio's loop
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
+    run = asyncio.run
+    if spec.tls is None:
+        # Under TLS each connection is counted before its handshake, which runs here
+        # (`loop.start_tls`): asyncio's own loop keeps a new connection unread until then,
+        # uvloop 0.23 may read its first bytes before (they would be lost to the handshake).
+        try:
+            import uvloop      # optional: about 2x less CPU per relayed frame
+            run = uvloop.run
+        except ImportError:
+            pass
     try:
         run(serve(spec, announce=announce))
     except KeyboardInterrupt:

@@ -214,16 +214,22 @@ def wait_parties(config: NodeConfig, procs: dict[str, subprocess.Popen],
         return
     messages = {pid: _last_line(output_dir / f"party_{node_tag(pid)}.log", "] error: ")
                 for pid in procs}
-    # The party the others blame ("party X ... died ..."), else the first that failed.
-    blamed = [pid for pid in config.party_ids
-              if any(f"party {pid} " in m for other, m in messages.items() if other != pid)]
+    # The party the others blame ("party X ... died ..."), else the first that failed; none
+    # when a party stopped because a forger claimed a peer's rank (the others then see it go).
+    forged = [pid for pid, m in messages.items() if "dropped a forged message" in m]
+    blamed = [] if forged else [
+        pid for pid in config.party_ids
+        if any(f"party {pid} " in m for other, m in messages.items() if other != pid)]
     # Otherwise the first party that failed by itself (not killed by us, not blaming a peer).
     culprit = blamed[0] if blamed else next((pid for pid in config.party_ids
                                              if pid not in timed_out and codes[pid] not in (0, 3)),
                                             None)
     lines = [f"  {pid}: exit {codes[pid] if pid not in timed_out else 'killed (still running)'}"
              f"{' - ' + messages[pid] if messages[pid] else ''}" for pid in config.party_ids]
+    if forged:
+        culprit = None
     head = (f"secure job failed: party {culprit} failed" if culprit
+            else f"secure job failed: {forged[0]} got a forged message" if forged
             else "secure job failed")
     if timed_out and not first_failure:
         head += f" (no result within job.timeout_s={timeout_s:g} s)"

@@ -70,11 +70,13 @@ def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: f
               front: "FrontHandle | None" = None):
     """spu.link.Desc for this config.
 
-    With this party's `front` (the default path, see front.py): brpc listens on
-    127.0.0.1:front.backend_port behind the front, and connects to each peer's front (under
-    TLS through the front's local outbound port for that peer, which does the TLS and checks
-    the peer's identity), so brpc itself runs plain TCP on loopback. Without a front (tests
-    of the bare link only): every party at its public address, TLS options from the config.
+    With this party's `front` (the default path, see front.py): brpc listens on a Unix socket
+    in the party's private directory (`unix:PATH`, mode 0700: no TCP port of brpc's), behind
+    the front; it connects to each peer's front (under TLS, or to remote peers in plain TCP,
+    through the front's Unix socket for that peer in the same directory, which serves this
+    process only, does the TLS and checks the peer's identity), so brpc itself never listens
+    on TCP. Without a front (tests of the bare link only): every party at its public address,
+    TLS options from the config.
 
     brpc keeps retrying the connection to a peer for connect_retry_times x
     connect_retry_interval_ms; raised here to outlast link.connect_timeout_s, so that the
@@ -84,9 +86,9 @@ def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: f
     desc.id = f"{config.id}.{link_id}"
     for pid, address in config.parties:
         if front is not None and pid == party_id:
-            address = f"127.0.0.1:{front.backend_port}"
+            address = f"unix:{front.backend}"
         elif front is not None and pid in front.outbound:
-            address = f"127.0.0.1:{front.outbound[pid]}"
+            address = f"unix:{front.outbound[pid]}"
         desc.add_party(pid, address)
     opts = config.link
     desc.recv_timeout_ms = int(recv_timeout_s * 1000)
@@ -110,6 +112,42 @@ def link_desc(config: NodeConfig, party_id: str, link_id: str, recv_timeout_s: f
     return desc
 
 
+# ----- the party's private directory ---------------------------------------------------------
+
+# Set by the supervisor for its worker: the private directory it made (and removes after).
+PRIVATE_DIR_ENV = "MPCACHE_PRIVATE_DIR"
+
+
+def make_private_dir(party_id: str) -> str:
+    """A new directory that only this user may enter (mode 0700), for the party's Unix sockets
+    (brpc's, the front's outbound ones); under $TMPDIR, or /tmp when that is too long for a
+    socket's path (107 bytes, with room for a node id's socket name)."""
+    import tempfile
+    prefix = f"mpcache-{node_tag(party_id)[:16]}-"
+    base = tempfile.gettempdir()
+    if len(base) + len(prefix) + 8 + len("/to_.sock") + 64 > 107:
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
+def remove_private_dir(path: str | None) -> None:
+    import shutil
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# The private directory this worker made itself (no supervisor made one): removed on exit.
+_OWN_PRIVATE_DIR: list[str] = []
+
+
+def exit_now(code: int) -> None:
+    """Leave the process at once (os._exit: the link's threads may be blocked), removing the
+    private directory this worker made for itself (a supervisor removes the one it made)."""
+    for path in _OWN_PRIVATE_DIR:
+        remove_private_dir(path)
+    os._exit(code)
+
+
 # ----- the front door (front.py) -------------------------------------------------------------
 
 class AddressInUse(RuntimeError):
@@ -118,11 +156,12 @@ class AddressInUse(RuntimeError):
 
 @dataclasses.dataclass
 class FrontHandle:
-    """A running front process: brpc's backend port, the local port per peer under TLS."""
+    """A running front process: the Unix socket brpc listens on behind it, the front's Unix
+    socket per peer for brpc's outgoing connections (outbound side only), its events file."""
 
     proc: Any
-    backend_port: int
-    outbound: dict[str, int]
+    backend: str
+    outbound: dict[str, str]
     events_path: pathlib.Path
 
     def stats(self) -> dict:
@@ -220,8 +259,10 @@ def message_cap_bytes(config: NodeConfig, prompt_len: int | None = None) -> int:
     return MESSAGE_SLACK_BYTES + b * values
 
 
-def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
-    """This party's front.FrontSpec from the config."""
+def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path,
+               private_dir: str = "", worker_pid: int = 0):
+    """This party's front.FrontSpec from the config (`private_dir`: where its Unix sockets
+    go; `worker_pid`: the process its outbound sockets serve)."""
     from runtime.distributed.front import FrontSpec
     host, _, port = config.address(party_id).rpartition(":")
     tls = config.link.tls
@@ -237,8 +278,8 @@ def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path):
         peers={pid: {"rank": config.rank(pid), "host": addr.rpartition(":")[0],
                      "address": addr} for pid, addr in config.parties if pid != party_id},
         hello_key=hello_key(config).hex(), max_frame_bytes=frame, max_message_bytes=cap,
-        max_buffered_bytes=2 * cap, events_path=str(events_path),
-        max_unread_messages=window + UNREAD_SLACK_MESSAGES if window else 0,
+        max_buffered_bytes=2 * cap, events_path=str(events_path), private_dir=private_dir,
+        worker_pid=worker_pid, max_unread_messages=window + UNREAD_SLACK_MESSAGES if window else 0,
         # Plain TCP to a remote peer (link.insecure): brpc's outgoing connections pass the
         # front too, which reads this party's acknowledgements (the unread bound). Loopback
         # configs skip that hop (its cost: docs/results.md "The front door").
@@ -261,15 +302,18 @@ def front_events_path(output_dir, party_id: str) -> pathlib.Path:
 FRONT_PROGRAM_ENV = "MPCACHE_FRONT_PROGRAM"
 
 
-def start_front(config: NodeConfig, party_id: str, output_dir) -> FrontHandle:
+def start_front(config: NodeConfig, party_id: str, output_dir,
+                private_dir: str | None = None) -> FrontHandle:
     """Start this party's front (a child process that dies with this one) and wait until it
-    listens -> FrontHandle. Raises AddressInUse when the public port is taken."""
+    listens -> FrontHandle. `private_dir`: the party's private directory (a new one if None;
+    see make_private_dir). Raises AddressInUse when the public port is taken."""
     import subprocess
     from runtime.distributed import front as front_mod
     from runtime.distributed.launch import child_env
     events = front_events_path(output_dir, party_id)
     events.write_text("")
-    spec = front_spec(config, party_id, events)
+    spec = front_spec(config, party_id, events, private_dir or make_private_dir(party_id),
+                      os.getpid())
     program = [sys.executable, front_mod.__file__]
     stand_in = os.environ.get(FRONT_PROGRAM_ENV)
     if stand_in:
@@ -301,8 +345,8 @@ def start_front(config: NodeConfig, party_id: str, output_dir) -> FrontHandle:
     if answer.get("program") == "fast_front":
         print(f"[party {party_id}] front: the front in C (fast_front.c) serves {spec.listen_host}:"
               f"{spec.listen_port}", file=sys.stderr, flush=True)
-    return FrontHandle(proc, int(answer["backend_port"]),
-                       {k: int(v) for k, v in answer.get("outbound", {}).items()}, events)
+    return FrontHandle(proc, str(answer["backend"]),
+                       {k: str(v) for k, v in answer.get("outbound", {}).items()}, events)
 
 
 def front_events(path: pathlib.Path, since: int = 0) -> tuple[list[dict], int]:
@@ -489,6 +533,58 @@ def front_offences(config: NodeConfig, events_path: pathlib.Path | None,
             and str(e.get("kind", "")).startswith("dropped")]
 
 
+def flood_message(events_path: pathlib.Path | None) -> str | None:
+    """'127.0.0.1 held 260 connections without a hello ...' for the source address whose
+    connections this party's front closed without a hello the most (their events count them),
+    None if there were none."""
+    if events_path is None:
+        return None
+    events, _ = front_events(events_path)
+    held: dict[str, int] = {}
+    why: dict[str, str] = {}
+    for e in events:
+        if e.get("kind") == "closed a connection without a hello":
+            source = str(e.get("source") or str(e.get("address", "?")).rpartition(":")[0])
+            count = e.get("connections", 1)
+            count = count if isinstance(count, int) else 1
+            held[source] = held.get(source, 0) + count
+            if count == 1:
+                why[source] = str(e.get("why", ""))
+    if not held:
+        return None
+    source, n = max(held.items(), key=lambda kv: kv[1])
+    return (f"{source} held {n} connection{'s' if n != 1 else ''} without a hello at this "
+            f"party's front, which closed them (the last: {why.get(source, '?')})")
+
+
+def anonymous_drops(events_path: pathlib.Path | None) -> list[dict]:
+    """Frames this party's front dropped without naming the connection's node (the fault
+    was another connection's: its `why` names it)."""
+    if events_path is None:
+        return []
+    events, _ = front_events(events_path)
+    return [e for e in events if e.get("node") is None
+            and str(e.get("kind", "")).startswith("dropped")]
+
+
+FORGED_KIND = "dropped a forged message and closed the connection"   # front.FORGED
+
+
+def forged_messages(events_path: pathlib.Path | None) -> list[dict]:
+    """The front's events of a message number that came twice under different keys (two
+    senders claim one rank; yacl kept the first)."""
+    if events_path is None:
+        return []
+    return [e for e in front_events(events_path)[0] if e.get("kind") == FORGED_KIND]
+
+
+def forged_message(event: dict) -> str:
+    return (f"this party's front dropped a forged message from {event['address']}: "
+            f"{event['why']}; the peer's messages can no longer be told from a forger's, so "
+            "this party stops (in plain TCP any process on this machine can claim a rank: "
+            "use link.tls)")
+
+
 def offence_message(config: NodeConfig, event: dict) -> str:
     how = ("" if config.link.tls is not None
            else " (plain TCP: the rank it claimed, not proven)")
@@ -516,6 +612,18 @@ def blame(config: NodeConfig, party_id: str, suspect: str | None,
     if offences:
         last = offences[-1]
         return last["node"], f"{offence_message(config, last)} [probe: {_summary(states)}]"
+    # Not a peer's doing: a message forged under a peer's rank, connections that never said
+    # hello, frames dropped because of what another connection holds. No peer is named.
+    forged = forged_messages(events_path)
+    if forged:
+        return None, f"{forged_message(forged[0])} [probe: {_summary(states)}]"
+    flood = flood_message(events_path)
+    if flood:
+        return None, f"{flood}; the link failed meanwhile [probe: {_summary(states)}]"
+    drops = anonymous_drops(events_path)
+    if drops:
+        return None, (f"this party's front dropped a frame from {drops[-1]['address']}: "
+                      f"{drops[-1]['why']} [probe: {_summary(states)}]")
     down = [p for p in config.party_ids if states.get(p, Probe(ALIVE)).state in DOWN]
     if down:
         culprit = suspect if suspect in down else down[0]
@@ -653,7 +761,7 @@ class Watchdog:
         print(f"[party {self.party_id}] error: {message}", file=sys.stderr, flush=True)
         if linger_s:
             time.sleep(linger_s)
-        os._exit(EXIT_PEER)  # the link threads may be blocked: leave at once
+        exit_now(EXIT_PEER)  # the link threads may be blocked: leave at once
 
     def _loop(self) -> None:
         down_since: dict[str, float] = {}
@@ -669,6 +777,10 @@ class Watchdog:
                     self._fail(f"{tls_fault_message(self.config, peer, result)} "
                                f"[probe: {_summary(states)}; during {self.stage}]",
                                linger_s=self.TLS_LINGER_S)
+            forged = forged_messages(self.events_path)
+            if forged:
+                self._fail(f"{forged_message(forged[0])} [during {self.stage}]",
+                           linger_s=self.TLS_LINGER_S)
             offences = front_offences(self.config, self.events_path, authenticated_only=True)
             if offences:
                 self._fail(f"{offence_message(self.config, offences[0])} "
@@ -757,7 +869,15 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
                          "job.prompt_ids or the random prompt, or job.prefill=\"secure\"")
     # The front door first: a busy own port is an operator's error (AddressInUse, exit 2),
     # found before anything slow.
-    front = start_front(config, party_id, out)
+    # brpc's and the front's Unix sockets: in the directory the supervisor made (it removes
+    # it after this process), else in one of this process's own.
+    private_dir = os.environ.pop(PRIVATE_DIR_ENV, None)
+    if not private_dir:
+        import atexit
+        private_dir = make_private_dir(party_id)
+        _OWN_PRIVATE_DIR.append(private_dir)
+        atexit.register(remove_private_dir, private_dir)
+    front = start_front(config, party_id, out, private_dir)
     # From the first second: TLS faults of any peer end this party at once; peers get
     # link.connect_timeout_s from begin_link() to come up (Watchdog).
     watchdog = Watchdog(config, party_id, events_path=front.events_path).start()
@@ -853,7 +973,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
         log(party_id, f"tokens {result.tokens}; {len(records)} records in {results}")
     # No stop_link: its shutdown messages race with peers that have already left, and a
     # failed send makes yacl end the process. Linger so in-flight acknowledgements complete,
-    # then the caller exits the process (experiments.party uses os._exit).
+    # then the caller exits the process (experiments.party uses exit_now).
     time.sleep(LINGER_S)
     return record
 

@@ -21,8 +21,9 @@ import time
 
 from runtime.distributed.config import NodeConfig, estimate_party_memory
 from runtime.distributed.launch import Interrupted, child_env, interruptible
-from runtime.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, blame,
-                                       failing_peer, front_events_path, spu_log_path)
+from runtime.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, PRIVATE_DIR_ENV,
+                                       blame, failing_peer, front_events_path,
+                                       make_private_dir, remove_private_dir, spu_log_path)
 
 _LINK_ERROR = re.compile(r"\[(error|warning)\]|failed|timeout|Not connected", re.IGNORECASE)
 
@@ -54,9 +55,11 @@ def supervise(config: NodeConfig, party_id: str, output_dir: str, worker_cmd: li
     deadline = time.monotonic() + config.job.timeout_s
     worker = None
     interrupted = None
+    # The worker's private directory (its brpc's and front's Unix sockets, mode 0700).
+    private_dir = make_private_dir(party_id)
     with interruptible():
         try:
-            worker = subprocess.Popen(worker_cmd, env=child_env())
+            worker = subprocess.Popen(worker_cmd, env=child_env({PRIVATE_DIR_ENV: private_dir}))
             while worker.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
         except Interrupted as err:
@@ -67,6 +70,7 @@ def supervise(config: NodeConfig, party_id: str, output_dir: str, worker_cmd: li
                 worker.kill()
             if worker is not None:
                 worker.wait()
+            remove_private_dir(private_dir)
     if interrupted is not None:
         report(party_id, f"stopped by {signal.Signals(interrupted.signum).name}; the worker "
                          "was killed, no result")
