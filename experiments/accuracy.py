@@ -172,8 +172,9 @@ def batch_size(FLAGS, loaded, samples, policies, context: int) -> tuple[int, str
         return FLAGS.batch_size, "--batch_size"
     if FLAGS.memory_budget_mb:
         budget_mb = FLAGS.memory_budget_mb
-    else:
-        budget_mb = common.available_mb() / 2
+    else:   # half of what is free, less the weights the run holds besides the batch
+        weights_mb = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(loaded.params))
+        budget_mb = max(common.available_mb() / 2 - weights_mb / 1e6, 0.0)
     need_queries = any(p.needs_queries for _, _, p in policies)
     longest = max((sample_bucket(s, FLAGS, context) or (0, len(s.prompt_ids)))[1]
                   for s in samples)

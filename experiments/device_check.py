@@ -3,7 +3,7 @@ of `full` and the default policy at long prompts, timed, with the peak device me
 logits' largest difference from the same program on the CPU.
 
     python -m experiments.device_check [--models=llama2-d1024,smollm2-135m,gemma3-270m]
-        [--lengths=8192,32768] [--new_tokens=32] [--cpu_layers=2] [--out=DIR]
+        [--lengths=8192,32768] [--new_tokens=32] [--cpu_layers=2] [--host_loop] [--out=DIR]
 
 Weights: the registered model's real ones when its files are in the cache (no download is
 attempted), else random weights of the real geometry (kernels N(0, 1/fan_in), so activations
@@ -13,7 +13,9 @@ comparison runs the same prompt through the model cut to its first --cpu_layers 
 accelerator and on the CPU (a whole 32768-token model on the CPU would take most of an hour):
 prefill logits and every decode step's. Without an accelerator the CPU rows are printed and
 the comparison is skipped. Writes DIR/device_check.jsonl (one record per model, length and
-policy). Uses no SPU: it runs on a current JAX (scripts/xla_env.sh).
+policy). --host_loop also times today's per-token host loop (one `Model.decode_step` call and
+one read of the token per step) beside the device loop. Uses no SPU: it runs on a current JAX
+(scripts/xla_env.sh).
 """
 from __future__ import annotations
 
@@ -26,17 +28,17 @@ import time
 
 
 def random_params(model, seed: int):
-    """Weights of the model's geometry with O(1) activations."""
+    """Weights of the model's geometry with O(1) activations, drawn on the host (numpy: no
+    program to compile for the accelerator)."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
     from models.model import tie_lm_head
-    params = model.init_params(seed)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(model.param_shapes())
     out = []
-    for (path, leaf), key in zip(leaves, keys):
+    for path, leaf in leaves:
         name = path[-1].key
-        noise = jax.random.normal(key, leaf.shape, jnp.float32)
+        noise = rng.standard_normal(leaf.shape, np.float32)
         if name == "scale":
             out.append(1.0 + 0.1 * noise)
         elif name == "bias":
@@ -44,7 +46,7 @@ def random_params(model, seed: int):
         elif name == "embedding":
             out.append(noise)
         else:
-            out.append(noise / (leaf.shape[0] ** 0.5))
+            out.append(noise / np.float32(leaf.shape[0] ** 0.5))
     params = jax.tree_util.tree_unflatten(treedef, out)
     return tie_lm_head(params) if model.cfg.tie_embeddings else params
 
@@ -78,9 +80,10 @@ def truncated(model, params, layers: int):
     return small.model, small.params
 
 
-def run_once(model, params, prompt, policy, new_tokens: int, device):
+def run_once(model, params, prompt, policy, new_tokens: int, device, repeats: int = 2):
     """Prefill + compress + the decode loop on `device` -> (prefill s, decode tokens/s,
-    prefill logits, per-step logits, tokens)."""
+    prefill logits, per-step logits, tokens); the last of `repeats` runs is timed (the
+    first compiles)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -90,7 +93,7 @@ def run_once(model, params, prompt, policy, new_tokens: int, device):
         params = jax.device_put(transformer.stack_layers(params)
                                 if transformer.scans_layers(model.cfg) else params, device)
         timings = []
-        for _ in range(2):   # the first compiles; the second is timed
+        for _ in range(repeats):
             start = time.perf_counter()
             logits, dense, aux = prefill_prompt(model, params, prompt, new_tokens,
                                                 policy.needs_queries)
@@ -109,6 +112,29 @@ def run_once(model, params, prompt, policy, new_tokens: int, device):
                 np.asarray(tokens)[:int(count)])
 
 
+def host_loop_tokens_per_s(model, params, prompt, policy, new_tokens: int, device) -> float:
+    """Greedy decoding with one `Model.decode_step` call and one host read of the token per
+    step (the loop the device loop replaces), timed after a warm-up call."""
+    import jax
+    import numpy as np
+    from runtime.generate import apply_policy, prefill_prompt
+    with jax.default_device(device):
+        params = jax.device_put(params, device)
+        logits, dense, aux = prefill_prompt(model, params, prompt, new_tokens,
+                                            policy.needs_queries)
+        rates = []
+        for _ in range(2):
+            cache = apply_policy(policy, dense, aux, new_tokens)
+            row = logits
+            start = time.perf_counter()
+            for step in range(new_tokens - 1):
+                token = int(np.argmax(np.asarray(row)))
+                row, cache = model.decode_step(params, token, len(prompt) + step, cache, policy)
+            jax.block_until_ready(row)
+            rates.append((new_tokens - 1) / (time.perf_counter() - start))
+        return rates[-1]
+
+
 def peak_bytes(device) -> int | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
@@ -124,6 +150,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--cpu_layers", type=int, default=2,
                         help="layers of the model cut for the CPU comparison (0: none)")
+    parser.add_argument("--host_loop", action="store_true",
+                        help="also time the per-token host loop (Model.decode_step)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/device_check")
     args = parser.parse_args(argv[1:])
@@ -152,49 +180,78 @@ def main(argv: list[str]) -> int:
           flush=True)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "device_check.jsonl"
+    path.write_text("")        # one line per record as it is made: a cut-off run keeps its rows
     records = []
     rng = np.random.RandomState(args.seed)
-    for name in models:
-        for length in lengths:
+    loaded = {}
+
+    def setup(name, length):
+        if (name, length) not in loaded:
             model, params, weights = load(name, length, args.new_tokens, args.seed)
             prompt = [int(t) for t in rng.randint(3, model.cfg.vocab_size, length)]
-            for policy_name in policies:
-                policy = make_policy(policy_name, budget=args.budget)
-                record = {"model": name, "weights": weights, "prompt_tokens": length,
-                          "policy": policy_name, "budget": args.budget,
-                          "new_tokens": args.new_tokens, "device": device.device_kind,
-                          "platform": device.platform, "jax": jax.__version__}
-                try:
-                    prefill_s, tok_s, _, _, _ = run_once(model, params, prompt, policy,
-                                                         args.new_tokens, device)
-                    record.update(prefill_s=round(prefill_s, 3), decode_tokens_per_s=round(tok_s, 2),
-                                  peak_device_bytes=peak_bytes(device))
-                    if accelerated and args.cpu_layers:
-                        small, small_params = truncated(model, params, args.cpu_layers)
-                        got = run_once(small, small_params, prompt, policy, args.new_tokens, device)
-                        want = run_once(small, small_params, prompt, policy, args.new_tokens, cpu)
-                        record.update(
-                            cpu_layers=small.cfg.num_layers,
-                            max_abs_logit_diff_prefill=float(np.max(np.abs(got[2] - want[2]))),
-                            max_abs_logit_diff_decode=float(np.max(np.abs(got[3] - want[3]))),
-                            logit_scale=float(np.std(want[3])),
-                            same_tokens=bool(np.array_equal(got[4], want[4])))
-                except Exception as err:   # a row that fails (memory) is recorded, not fatal
-                    record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-                records.append(record)
-                print(json.dumps(record), flush=True)
-    with open(out_dir / "device_check.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+            loaded.clear()                    # one model on the device at a time
+            loaded[(name, length)] = (model, params, weights, prompt)
+        return loaded[(name, length)]
+
+    def emit(record):
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # Timing rows first, then the CPU comparisons: a run cut off by a time limit keeps every
+    # timing row it finished.
+    phases = [("time", name, length, p) for name in models for length in lengths
+              for p in policies]
+    if accelerated and args.cpu_layers:
+        phases += [("compare", name, length, p) for name in models for length in lengths
+                   for p in policies]
+    for phase, name, length, policy_name in phases:
+        model, params, weights, prompt = setup(name, length)
+        policy = make_policy(policy_name, budget=args.budget)
+        record = {"phase": phase, "model": name, "weights": weights, "prompt_tokens": length,
+                  "policy": policy_name, "budget": args.budget, "new_tokens": args.new_tokens,
+                  "device": device.device_kind, "platform": device.platform,
+                  "jax": jax.__version__}
+        try:
+            if phase == "time":
+                prefill_s, tok_s, _, _, _ = run_once(model, params, prompt, policy,
+                                                     args.new_tokens, device)
+                record.update(prefill_s=round(prefill_s, 3), decode_tokens_per_s=round(tok_s, 2),
+                              peak_device_bytes=peak_bytes(device))
+                if args.host_loop:
+                    record["host_loop_tokens_per_s"] = round(host_loop_tokens_per_s(
+                        model, params, prompt, policy, args.new_tokens, device), 2)
+            else:
+                small, small_params = truncated(model, params, args.cpu_layers)
+                got = run_once(small, small_params, prompt, policy, args.new_tokens, device)
+                want = run_once(small, small_params, prompt, policy, args.new_tokens, cpu,
+                                repeats=1)
+                record.update(
+                    cpu_layers=small.cfg.num_layers,
+                    max_abs_logit_diff_prefill=float(np.max(np.abs(got[2] - want[2]))),
+                    max_abs_logit_diff_decode=float(np.max(np.abs(got[3] - want[3]))),
+                    logit_scale=float(np.std(want[3])),
+                    same_tokens=bool(np.array_equal(got[4], want[4])))
+        except Exception as err:   # a row that fails (memory) is recorded, not fatal
+            record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        emit(record)
     print(f"\n{'model':14s} {'T':>6s} {'policy':8s} {'prefill s':>9s} {'tok/s':>8s} "
-          f"{'peak GB':>8s} {'|dlogit| cpu':>12s}")
+          f"{'host tok/s':>10s} {'peak GB':>8s} {'|dlogit| cpu':>12s}")
+    by_key = {}
     for r in records:
+        by_key.setdefault((r["model"], r["prompt_tokens"], r["policy"]), {}).update(
+            {k: v for k, v in r.items() if k != "phase"})
+    for r in by_key.values():
         peak = r.get("peak_device_bytes")
         diff = r.get("max_abs_logit_diff_decode")
         print(f"{r['model']:14s} {r['prompt_tokens']:6d} {r['policy']:8s} "
               f"{r.get('prefill_s', float('nan')):9.2f} {r.get('decode_tokens_per_s', float('nan')):8.1f} "
+              f"{r.get('host_loop_tokens_per_s', float('nan')):10.1f} "
               f"{(peak / 1e9 if peak else float('nan')):8.2f} "
               f"{(diff if diff is not None else float('nan')):12.2e} {r.get('error', '')}")
-    print(f"wrote {out_dir / 'device_check.jsonl'}")
+    print(f"wrote {path}")
     return 0
 
 
