@@ -2,7 +2,7 @@
 
 Every party is a real process linked over brpc on 127.0.0.1 (ports picked free at test time).
 The job is a tiny secure generation (llama-tiny cut to 2 layers, 32-token prompt, 2 greedy
-tokens, `mpcache` with small clusters), so each run takes seconds.
+tokens, `mpcache_exact` with small clusters), so each run takes seconds.
 """
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ CASES = {
                                           "= 1000032 exceeds llama-tiny's context"),
     "too many layers": (lambda r: r["job"].update(num_layers=9), "job.num_layers:"),
     "bad policy options": (lambda r: r["job"].update(policy_options={"nonsense": 1}),
-                           "job.policy='mpcache' with budget=0.5"),
+                           "job.policy='mpcache_exact' with budget=0.5"),
     "memory over the limit": (lambda r: r["job"].update(seq_len=3000, memory_limit_gb=1.0),
                               "over the limit of 1.0 GiB (job.memory_limit_gb)"),
     "plain TCP off loopback": (lambda r: r["nodes"].update({"node:2": "10.0.0.3:61402"}),
