@@ -239,7 +239,7 @@ CASES = {
                                           "= 1000032 exceeds llama-tiny's context"),
     "too many layers": (lambda r: r["job"].update(num_layers=9), "job.num_layers:"),
     "bad policy options": (lambda r: r["job"].update(policy_options={"nonsense": 1}),
-                           "job.policy='mpcache_exact' with budget=0.5"),
+                           "job.policy='mpcache_exact' with job.budget=0.5"),
     "memory over the limit": (lambda r: r["job"].update(seq_len=3000, memory_limit_gb=1.0),
                               "over the limit of 1.0 GiB (job.memory_limit_gb)"),
     "plain TCP off loopback": (lambda r: r["nodes"].update({"node:2": "10.0.0.3:61402"}),

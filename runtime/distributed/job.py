@@ -15,21 +15,14 @@ import numpy as np
 
 from models import registry
 from models.model import Model
-from runtime.distributed.config import JobSpec
-from mpcache_jax.policies import make_policy
+from runtime.distributed.config import JobSpec, make_job_policy
 from mpcache_jax.policy import AttentionPolicy
-
-
-def _frozen(value):
-    """JSON lists -> tuples, so policy options stay hashable (policies are static jit args)."""
-    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def build(job: JobSpec) -> tuple[Model, AttentionPolicy]:
     """The job's model geometry and configured policy (public: every party builds them)."""
     cfg = registry.get_config(job.model, num_layers=job.num_layers)
-    options = {k: _frozen(v) for k, v in job.policy_options.items()}
-    return Model(cfg), make_policy(job.policy, job.budget, **options)
+    return Model(cfg), make_job_policy(job)
 
 
 def weight_shapes(job: JobSpec):

@@ -117,7 +117,8 @@ def prepare_config(node_config: str | os.PathLike, output_dir: pathlib.Path,
     """Validate `node_config` (+ job overrides) for loopback and write the effective config to
     `output_dir/node_config.json` (TLS paths made absolute) — the file every party reads."""
     source = pathlib.Path(node_config)
-    for warning in load_node_config(source).warnings:  # the file must be valid on its own
+    # The file must be valid on its own; its job is checked with the overrides applied.
+    for warning in load_node_config(source, check_job=False).warnings:
         print(f"[party all] warning: {warning}", file=sys.stderr, flush=True)
     raw = json.loads(source.read_text())
     raw.setdefault("job", {}).update(job_overrides)
