@@ -163,6 +163,10 @@ def test_launcher_reports_the_failed_party_and_tears_everything_down(tmp_path):
     assert "prompt_ids must lie in [0, 256)" in str(info.value)
     assert set(info.value.exit_codes) == {"node:0", "node:1"}
     assert info.value.exit_codes["node:1"] == 1 and info.value.exit_codes["node:0"] != 0
+    # What a command line prints: one line, the party and its own error first.
+    assert "\n" not in info.value.line
+    assert info.value.line.startswith("secure job failed: party node:1 failed: ValueError: ")
+    assert "prompt_ids must lie in [0, 256)" in info.value.line
     assert not (tmp_path / "out" / "results.jsonl").exists()
 
 
