@@ -36,6 +36,12 @@ def load_weights(job: JobSpec) -> dict:
     return registry.load(job.model, num_layers=job.num_layers, seed=job.seed).params
 
 
+def prompt_text_ids(job: JobSpec, text: str, tokenizer) -> list[int]:
+    """A prompt text's token ids as the prompt owner encodes them (the model's chat template
+    when job.chat); a launcher that holds the text counts them the same way."""
+    return tokenizer.encode_request(text, chat=job.chat)
+
+
 def load_prompt(job: JobSpec, prompt_file: str | None = None) -> tuple[list[int], tuple[int, ...]]:
     """The prompt owner's private input -> (token ids, stop ids). From `prompt_file` (text,
     wrapped in the model's chat template when job.chat), else job.prompt_ids, else `seq_len`
@@ -49,9 +55,7 @@ def load_prompt(job: JobSpec, prompt_file: str | None = None) -> tuple[list[int]
         if tokenizer is None:
             raise ValueError(f"model {job.model!r} has no tokenizer: give job.prompt_ids or "
                              "job.seq_len random ids instead of a prompt file")
-        text = path.read_text()
-        ids = tokenizer.encode_request(text, chat=job.chat)
-        return ids, tuple(tokenizer.stop_ids)
+        return prompt_text_ids(job, path.read_text(), tokenizer), tuple(tokenizer.stop_ids)
     if job.prompt_ids is not None:
         ids = [int(t) for t in job.prompt_ids]
         if min(ids) < 0 or max(ids) >= vocab:
