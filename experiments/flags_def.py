@@ -121,7 +121,8 @@ FLAGS = flags.FLAGS
 # Which flags each experiment reads. A flag given (on the command line or in a flagfile) to an
 # experiment that does not read it is an error rather than a silently ignored setting that
 # would still be recorded in the run's config. "nodes" is --backend=spu_nodes for
-# accuracy/mpc_cost (the node config's job per --policies x --seq_lens).
+# accuracy/mpc_cost (the node config's job per --policies x --budgets x --seq_lens; each
+# flag given overrides its job field: experiments/node_job.py).
 COMMON_FLAGS = frozenset({"experiment", "model", "weights_path", "cache_dir", "num_layers",
                           "seed", "output_dir", "verbose", "activation_impl", "compile_cache"})
 EXPERIMENT_FLAGS = {
@@ -139,11 +140,13 @@ EXPERIMENT_FLAGS = {
                                 "mpc_decode_steps", "mpc_lm_head", "gather_tokens", "gather_clusters", "gather_dim", "topk_rows",
                                 "topk_sizes", "prompt", "system_prompt", "chat",
                                 "max_new_tokens"},
-    "nodes": frozenset({"experiment", "backend", "node_config", "policies", "seq_lens", "model",
-                        "num_layers", "output_dir", "verbose", "compile_cache"}),
+    "nodes": frozenset({"experiment", "backend", "node_config", "policies", "budgets",
+                        "seq_lens", "max_new_tokens", "model", "num_layers", "seed",
+                        "output_dir", "verbose", "compile_cache"}),
 }
 # --experiment=generate --backend=spu_nodes: the node config's job fixes the program (numerics,
-# greedy decoding, no system message), so those flags would be ignored.
+# greedy decoding, no system message), so those flags would be ignored; the others given
+# override the job's fields (experiments/node_job.py).
 EXPERIMENT_FLAGS["generate_nodes"] = EXPERIMENT_FLAGS["generate"] - {
     "activation_impl", "temperature", "top_p", "system_prompt", "weights_path"}
 

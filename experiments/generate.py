@@ -4,8 +4,10 @@
                           eviction) and every decode step run under MPC (SPU's simulator,
                           --protocol); the answer is checked against the plaintext run of the
                           same programs and the per-token cost is printed
-    --backend=spu_nodes   the same, every party its own process (--node_config); the prompt
-                          goes to the prompt owner's process only
+    --backend=spu_nodes   the same, every party its own process (--node_config): the node
+                          config's job decides every field no flag given overrides
+                          (experiments/node_job.py); a prompt text goes to the prompt
+                          owner's process only
     --backend=xla         plaintext chat
 
 The prompt: --prompt (text), or --prompt_file (a long document and question), wrapped in the
@@ -19,7 +21,6 @@ from __future__ import annotations
 import pathlib
 import resource
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -88,9 +89,11 @@ def check_prompt(policy, model, prompt_ids, max_new_tokens: int) -> None:
 
 def run(FLAGS) -> None:
     from models import registry
-    name, budget, policy = one_policy(FLAGS)
     if FLAGS.backend == "spu_nodes":
-        return run_nodes(FLAGS, name, budget)
+        # The node config's job decides what the flags given do not (experiments/node_job.py).
+        from experiments import node_job
+        return node_job.run(FLAGS)
+    name, budget, policy = one_policy(FLAGS)
     loaded = common.with_model_numerics(
         registry.load(FLAGS.model, weights_path=FLAGS.weights_path, cache_dir=FLAGS.cache_dir,
                       seed=FLAGS.seed, num_layers=FLAGS.num_layers), FLAGS)
@@ -233,37 +236,3 @@ def first_divergence(secure_tokens, plain) -> dict:
     return {"step": step, "plaintext_token": int(plain.tokens[step]),
             "secure_token": int(secure_tokens[step]), "margin": margin,
             "near_tie": margin <= NEAR_TIE_LOGITS}
-
-
-def run_nodes(FLAGS, name, budget) -> None:
-    """Every party of --node_config as a local process; the prompt reaches the prompt owner's
-    process only (a private temporary file)."""
-    from runtime.distributed import run_loopback
-    if not FLAGS.node_config:
-        raise ValueError("--backend=spu_nodes needs --node_config=FILE (see experiments/nodes/*.json)")
-    if FLAGS["protocol"].present:
-        from runtime.distributed.config import load_node_config
-        configured = load_node_config(FLAGS.node_config).protocol
-        if FLAGS.protocol.upper() != configured:
-            raise ValueError(f"--protocol={FLAGS.protocol} conflicts with --node_config="
-                             f"{FLAGS.node_config}, which runs {configured}: the node config "
-                             "decides the protocol (and the number of parties); drop --protocol "
-                             "or pick a config that runs it")
-    with tempfile.TemporaryDirectory(prefix="mpcache_prompt_") as tmp:
-        prompt_file = pathlib.Path(tmp) / "prompt.txt"
-        prompt_file.write_text(read_prompt(FLAGS))
-        prompt_file.chmod(0o600)
-        overrides = {"policy": name, "budget": budget, "model": FLAGS.model,
-                     "max_new_tokens": FLAGS.max_new_tokens, "chat": FLAGS.chat}
-        if FLAGS.num_layers is not None:
-            overrides["num_layers"] = FLAGS.num_layers
-        records = run_loopback(FLAGS.node_config, FLAGS.output_dir or None,
-                               prompt_file=str(prompt_file), **overrides)
-    summary = records[-1]
-    from models import registry
-    tokenizer = registry.load(FLAGS.model, cache_dir=FLAGS.cache_dir).tokenizer
-    print(f"answer: {tokenizer.decode(summary['tokens']) if tokenizer else summary['tokens']}")
-    if "decode_comm_bytes_per_token" in summary:
-        print(f"per generated token: {summary['decode_comm_bytes_per_token'] / 1e6:.1f} MB, "
-              f"{summary['decode_messages_per_token']:.0f} messages, "
-              f"{summary['decode_wall_s_per_token']:.2f} s (measured, real parties)")

@@ -37,31 +37,6 @@ def main(argv):
         sys.exit(2)
 
 
-def run_nodes():
-    """--backend=spu_nodes: the node config's job once per --policies x --seq_lens, with every
-    party as a local process; prints one line per run (records: DIR/results.jsonl)."""
-    from runtime.distributed import JobFailed, run_loopback
-    if not FLAGS.node_config:
-        raise ValueError("--backend=spu_nodes needs --node_config=FILE (see experiments/nodes/*.json)")
-    job = {}
-    for name in ("model", "num_layers"):
-        if FLAGS[name].present:
-            job[name] = getattr(FLAGS, name)
-    seq_lens = [int(t) for t in FLAGS.seq_lens] if FLAGS["seq_lens"].present else [None]
-    try:
-        for policy in FLAGS.policies:
-            for seq_len in seq_lens:
-                extra = {"seq_len": seq_len} if seq_len is not None else {}
-                summary = run_loopback(FLAGS.node_config, FLAGS.output_dir, policy=policy,
-                                       **job, **extra)[-1]
-                print(f"{policy} prompt={summary['prompt_tokens']} tokens={summary['tokens']} "
-                      f"decode bytes/token={summary.get('decode_comm_bytes_per_token')} "
-                      f"s/token={summary.get('decode_wall_s_per_token')}")
-    except JobFailed as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(3)
-
-
 def check_flags() -> None:
     """Every flag given is read by the experiment that runs (flags_def.EXPERIMENT_FLAGS)."""
     nodes = FLAGS.backend == "spu_nodes"
@@ -78,11 +53,15 @@ def check_flags() -> None:
 
 def dispatch():
     check_flags()
+    if FLAGS.backend == "spu_nodes":
+        # Every experiment's node-config runs take one path: the config's job with the flags
+        # given as overrides, checked before any party starts (exit 2), a failed job one line
+        # (exit 3).
+        from experiments import node_job
+        return node_job.run(FLAGS)
     if FLAGS.experiment == "generate":
         from experiments import generate
         return generate.run(FLAGS)
-    if FLAGS.backend == "spu_nodes":
-        return run_nodes()
     if FLAGS.experiment == "accuracy":
         from experiments import accuracy
         return accuracy.run(FLAGS)

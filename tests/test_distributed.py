@@ -2,7 +2,7 @@
 
 Every party is a real process linked over brpc on 127.0.0.1 (ports picked free at test time).
 The job is a tiny secure generation (llama-tiny cut to 2 layers, 32-token prompt, 2 greedy
-tokens, `mpcache` with small clusters), so each run takes seconds.
+tokens, `mpcache_exact` with small clusters), so each run takes seconds.
 """
 from __future__ import annotations
 
@@ -163,6 +163,10 @@ def test_launcher_reports_the_failed_party_and_tears_everything_down(tmp_path):
     assert "prompt_ids must lie in [0, 256)" in str(info.value)
     assert set(info.value.exit_codes) == {"node:0", "node:1"}
     assert info.value.exit_codes["node:1"] == 1 and info.value.exit_codes["node:0"] != 0
+    # What a command line prints: one line, the party and its own error first.
+    assert "\n" not in info.value.line
+    assert info.value.line.startswith("secure job failed: party node:1 failed: ValueError: ")
+    assert "prompt_ids must lie in [0, 256)" in info.value.line
     assert not (tmp_path / "out" / "results.jsonl").exists()
 
 
@@ -239,7 +243,7 @@ CASES = {
                                           "= 1000032 exceeds llama-tiny's context"),
     "too many layers": (lambda r: r["job"].update(num_layers=9), "job.num_layers:"),
     "bad policy options": (lambda r: r["job"].update(policy_options={"nonsense": 1}),
-                           "job.policy='mpcache' with budget=0.5"),
+                           "job.policy='mpcache_exact' with job.budget=0.5"),
     "memory over the limit": (lambda r: r["job"].update(seq_len=3000, memory_limit_gb=1.0),
                               "over the limit of 1.0 GiB (job.memory_limit_gb)"),
     "plain TCP off loopback": (lambda r: r["nodes"].update({"node:2": "10.0.0.3:61402"}),

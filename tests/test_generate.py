@@ -131,8 +131,8 @@ def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
     (["--experiment=accuracy", "--backend=xla"], "--backend is not used by --experiment=accuracy"),
     (["--experiment=accuracy", "--prompt=hi"], "--prompt is not used by --experiment=accuracy"),
     (["--experiment=mpc_cost", "--resume"], "--resume is not used by --experiment=mpc_cost"),
-    (["--experiment=accuracy", "--backend=spu_nodes", "--node_config=x.json", "--budgets=0.2"],
-     "--budgets is not used by --backend=spu_nodes"),
+    (["--experiment=accuracy", "--backend=spu_nodes", "--node_config=x.json", "--num_samples=2"],
+     "--num_samples is not used by --backend=spu_nodes"),
     (["--experiment=generate", "--backend=spu_nodes", "--policies=full",
       "--node_config=experiments/nodes/2pc_semi2k.json", "--protocol=ABY3"],
      "--protocol=ABY3 conflicts with --node_config=experiments/nodes/2pc_semi2k.json, which "

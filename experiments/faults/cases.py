@@ -964,7 +964,7 @@ def party_cases() -> list:
                     fault=lambda procs: procs["node:2"].send_signal(signal.SIGTERM),
                     fault_after="] link up", check=stopped_by_sigterm),
         PartiesCase("fault: different job on one party", "node:2's config runs policy 'full', "
-                    "the others 'mpcache'", "every party exits 3: the compiled programs' "
+                    "the others 'mpcache_exact'", "every party exits 3: the compiled programs' "
                     "SHA-256 differ (parties named)", other_policy, ("node:0", "node:1", "node:2"),
                     ("compiled a different",)),
         PartiesCase("wire: model owner sends a pickle", "node:0 (patched) sends a pickle that "

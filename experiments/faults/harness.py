@@ -11,7 +11,7 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-TINY_JOB = {"model": "llama-tiny", "num_layers": 2, "policy": "mpcache", "budget": 0.5,
+TINY_JOB = {"model": "llama-tiny", "num_layers": 2, "policy": "mpcache_exact", "budget": 0.5,
             # oversample 0: both levels choose (at half of 32 tokens, 2x the budget would
             # keep every coarse cluster)
             "policy_options": {"static_sinks": 4, "static_recent": 8,

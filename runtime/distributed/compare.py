@@ -24,7 +24,7 @@ def simulate(node_config: str, prompt_file: str | None = None, profile: bool = T
     'spu_sim'): per-step records and a summary (+ `logits` when the job reveals them)."""
     from runtime.mpc.backends import make_backend
     from runtime.mpc.secure import SecureSession
-    config = load_node_config(node_config).with_job(**job_overrides)
+    config = load_node_config(node_config, check_job=False).with_job(**job_overrides)
     job = config.job
     model, policy = job_lib.build(job)
     prompt_ids, stop_ids = job_lib.load_prompt(job, prompt_file)

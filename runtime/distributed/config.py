@@ -23,7 +23,10 @@ devices), plus a "job" section naming the public program:
 certificate CN). Relative certificate paths are resolved against the config file's directory.
 Every check runs in `load_node_config`, before any process or socket is started, and each
 message says what to fix: types (numbers are JSON numbers, ids are integers), ranges, the
-job's bounds (context and memory, `check_job_bounds`) and the TLS identity rule below.
+job's bounds (context, the policy's check_prompt at job.seq_len naming the smallest budget
+that serves it, memory: `check_job_bounds`) and the TLS identity rule below. A launcher
+that overrides job fields loads with `check_job=False` and checks the job it will run
+(`NodeConfig.with_job`); every party checks it again at the announced prompt length.
 
 TLS identity rule (mutual TLS with identity). brpc, and yacl's link options above it, check a
 peer's certificate only against the CA (`verify.ca_file_path`, `verify_depth`): any certificate
@@ -337,9 +340,8 @@ class NodeConfig:
         return self.parties[self.rank(party_id)][1]
 
     def with_job(self, **overrides) -> "NodeConfig":
-        """This config with job keys replaced (validated, bounds checked)."""
-        if not overrides:
-            return self
+        """This config with job keys replaced (validated, bounds checked; also without
+        overrides, for a config loaded with check_job=False)."""
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(JobSpec)})
         if unknown:
             raise NodeConfigError(f"job has unknown key(s) {unknown}")
@@ -556,9 +558,11 @@ def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
 
 
 def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: str | None = None,
-                      path: str | None = None) -> NodeConfig:
+                      path: str | None = None, check_job: bool = True) -> NodeConfig:
     """Validate a node config dict. With `party`, only that party's local files (TLS key and
-    certificate) must exist; without it (loopback launcher) every party's must."""
+    certificate) must exist; without it (loopback launcher) every party's must.
+    `check_job=False` leaves out the job's bounds (`check_job_bounds`: context, policy,
+    memory) for a launcher that checks them after its overrides (`NodeConfig.with_job`)."""
     if not isinstance(raw, dict):
         raise NodeConfigError("a node config is a JSON object with 'nodes', 'devices' and 'job'")
     nodes = _need(raw, "nodes", "node config", dict)
@@ -662,7 +666,8 @@ def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: st
                         mpc=runtime, model_owner=owners["MODEL_OWNER"],
                         prompt_owner=owners["PROMPT_OWNER"], link=link, job=job, path=path,
                         warnings=tuple(warnings))
-    check_job_bounds(config)
+    if check_job:
+        check_job_bounds(config)
     return config
 
 
@@ -728,9 +733,106 @@ def memory_limit_bytes(config: NodeConfig) -> tuple[int, str]:
                                      f"by {n} part{'y' if n == 1 else 'ies'}")
 
 
+def frozen(value):
+    """JSON lists -> tuples, so policy options stay hashable (policies are static jit args)."""
+    return tuple(frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+_JOB_BUDGET = object()
+
+
+def make_job_policy(job: JobSpec, budget: Any = _JOB_BUDGET):
+    """The job's configured policy (with `budget` in place of job.budget when given)."""
+    options = {k: frozen(v) for k, v in job.policy_options.items()}
+    return make_policy(job.policy, job.budget if budget is _JOB_BUDGET else budget, **options)
+
+
+def _serves(job: JobSpec, budget, prompt_len: int) -> bool:
+    try:
+        policy = make_job_policy(job, budget)
+        check = getattr(policy, "check_prompt", None)
+        if check is not None:
+            check(prompt_len)
+    except (TypeError, ValueError, LookupError, AttributeError):
+        return False
+    return True
+
+
+def budget_text(budget) -> str:
+    return f"{budget:g}" if isinstance(budget, float) else str(budget)
+
+
+def ratio_for(tokens: int, prompt_len: int) -> float:
+    """The shortest (then smallest) decimal ratio of the prompt that budgets exactly `tokens`
+    of a `prompt_len`-token prompt (`primitives.budget_tokens`)."""
+    from mpcache_jax.primitives import budget_tokens
+    for digits in range(1, 16):
+        step = 10.0 ** -digits
+        value = round((math.floor((tokens - 1) / prompt_len / step) + 1) * step, digits)
+        if 0 < value <= 1 and budget_tokens(value, prompt_len) == tokens:
+            return value
+    return tokens / prompt_len
+
+
+def smallest_budget(job: JobSpec, prompt_len: int, ratio: bool) -> tuple[Any, int] | None:
+    """The smallest budget with which the job's policy serves a `prompt_len`-token prompt (its
+    own check_prompt) -> (budget, tokens it keeps), or None when even the whole prompt does
+    not. `ratio`: as a ratio of the prompt (`ratio_for`), else a token count. A binary search
+    over the token count: a policy that serves a budget serves every larger one (the
+    registry's policies all do; tests/test_node_job.py checks it against a scan)."""
+    def value(k: int):
+        return ratio_for(k, prompt_len) if ratio else k
+
+    if not _serves(job, value(prompt_len), prompt_len):
+        return None
+    low, high = 1, prompt_len          # invariant: value(high) serves
+    while low < high:
+        mid = (low + high) // 2
+        if _serves(job, value(mid), prompt_len):
+            high = mid
+        else:
+            low = mid + 1
+    return value(high), high
+
+
+def check_policy_serves(job: JobSpec, prompt_len: int) -> None:
+    """The job's policy must build with its budget and options and serve a `prompt_len`-token
+    prompt (its check_prompt, the check the parties' programs run); the error names the
+    smallest budget that would."""
+    try:
+        policy = make_job_policy(job)
+    except (TypeError, ValueError, LookupError, AttributeError) as err:
+        raise NodeConfigError(f"job.policy={job.policy!r} with job.budget={job.budget!r} and "
+                              f"job.policy_options={job.policy_options}: {err}") from None
+    check = getattr(policy, "check_prompt", None)
+    if check is None:
+        return
+    try:
+        check(prompt_len)
+    except ValueError as err:
+        ratio = job.budget is None or isinstance(job.budget, float)
+        fit = smallest_budget(job, prompt_len, ratio)
+        given = (f"job.budget={budget_text(job.budget)}" if job.budget is not None else
+                 f"job.budget (unset: {job.policy}'s default {getattr(policy, 'budget', None)})")
+        options = f" and job.policy_options={job.policy_options}" if job.policy_options else ""
+        if fit is None:
+            raise NodeConfigError(
+                f"{given}: {err}; no budget lets job.policy={job.policy!r}{options} serve "
+                f"the job's prompt (job.seq_len={prompt_len}): use a longer prompt or another "
+                "policy") from None
+        count = (f"; or job.budget={fit[1]}, a token count" if isinstance(fit[0], float)
+                 and fit[1] > 1 else "")
+        raise NodeConfigError(
+            f"{given}: {err}; the smallest budget that serves the job's {prompt_len}-token "
+            f"prompt is job.budget={budget_text(fit[0])} ({fit[1]} tokens{count})") from None
+
+
 def check_job_bounds(config: NodeConfig, prompt_len: int | None = None) -> None:
     """The job must fit the model (prompt + new tokens <= the model's context), its policy must
-    build, and one party's estimated memory must stay under the limit (`memory_limit_bytes`)."""
+    build and serve the prompt's length (`check_policy_serves`: the policy's own check_prompt,
+    as the parties' programs run it), and one party's estimated memory must stay under the
+    limit (`memory_limit_bytes`). The prompt's length: `prompt_len` when announced, else
+    job.seq_len."""
     job = config.job
     try:
         cfg = registry.get_config(job.model, num_layers=job.num_layers)
@@ -742,11 +844,7 @@ def check_job_bounds(config: NodeConfig, prompt_len: int | None = None) -> None:
             f"job.seq_len={T} + job.max_new_tokens={job.max_new_tokens} = "
             f"{T + job.max_new_tokens} exceeds {job.model}'s context of {cfg.max_position} "
             f"tokens; make them add up to at most {cfg.max_position}")
-    try:
-        make_policy(job.policy, job.budget, **job.policy_options)
-    except (TypeError, ValueError, LookupError, AttributeError) as err:
-        raise NodeConfigError(f"job.policy={job.policy!r} with budget={job.budget!r} and "
-                              f"policy_options={job.policy_options}: {err}") from None
+    check_policy_serves(job, T)
     need, formula = estimate_party_memory(job, config.mpc, prompt_len)
     limit, source = memory_limit_bytes(config)
     if need > limit:
@@ -756,8 +854,10 @@ def check_job_bounds(config: NodeConfig, prompt_len: int | None = None) -> None:
             "use fewer job.num_layers, or raise job.memory_limit_gb if the machine has the memory")
 
 
-def load_node_config(path: str | os.PathLike, party: str | None = None) -> NodeConfig:
-    """Read and validate a node config file (see the module docstring for the format)."""
+def load_node_config(path: str | os.PathLike, party: str | None = None,
+                     check_job: bool = True) -> NodeConfig:
+    """Read and validate a node config file (see the module docstring for the format;
+    `check_job` as in parse_node_config)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise NodeConfigError(f"node config {str(path)!r} does not exist")
@@ -767,7 +867,8 @@ def load_node_config(path: str | os.PathLike, party: str | None = None) -> NodeC
         raise NodeConfigError(f"node config {str(path)!r} is not valid JSON: {err}") from None
     except DuplicateKeyError as err:
         raise NodeConfigError(f"node config {str(path)!r}: {err}") from None
-    return parse_node_config(raw, base_dir=path.parent, party=party, path=str(path.resolve()))
+    return parse_node_config(raw, base_dir=path.parent, party=party, path=str(path.resolve()),
+                             check_job=check_job)
 
 
 class DuplicateKeyError(ValueError):

@@ -15,21 +15,14 @@ import numpy as np
 
 from models import registry
 from models.model import Model
-from runtime.distributed.config import JobSpec
-from mpcache_jax.policies import make_policy
+from runtime.distributed.config import JobSpec, make_job_policy
 from mpcache_jax.policy import AttentionPolicy
-
-
-def _frozen(value):
-    """JSON lists -> tuples, so policy options stay hashable (policies are static jit args)."""
-    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def build(job: JobSpec) -> tuple[Model, AttentionPolicy]:
     """The job's model geometry and configured policy (public: every party builds them)."""
     cfg = registry.get_config(job.model, num_layers=job.num_layers)
-    options = {k: _frozen(v) for k, v in job.policy_options.items()}
-    return Model(cfg), make_policy(job.policy, job.budget, **options)
+    return Model(cfg), make_job_policy(job)
 
 
 def weight_shapes(job: JobSpec):
@@ -41,6 +34,12 @@ def weight_shapes(job: JobSpec):
 def load_weights(job: JobSpec) -> dict:
     """The model owner's private input (random weights for random-weight models)."""
     return registry.load(job.model, num_layers=job.num_layers, seed=job.seed).params
+
+
+def prompt_text_ids(job: JobSpec, text: str, tokenizer) -> list[int]:
+    """A prompt text's token ids as the prompt owner encodes them (the model's chat template
+    when job.chat); a launcher that holds the text counts them the same way."""
+    return tokenizer.encode_request(text, chat=job.chat)
 
 
 def load_prompt(job: JobSpec, prompt_file: str | None = None) -> tuple[list[int], tuple[int, ...]]:
@@ -56,9 +55,7 @@ def load_prompt(job: JobSpec, prompt_file: str | None = None) -> tuple[list[int]
         if tokenizer is None:
             raise ValueError(f"model {job.model!r} has no tokenizer: give job.prompt_ids or "
                              "job.seq_len random ids instead of a prompt file")
-        text = path.read_text()
-        ids = tokenizer.encode_request(text, chat=job.chat)
-        return ids, tuple(tokenizer.stop_ids)
+        return prompt_text_ids(job, path.read_text(), tokenizer), tuple(tokenizer.stop_ids)
     if job.prompt_ids is not None:
         ids = [int(t) for t in job.prompt_ids]
         if min(ids) < 0 or max(ids) >= vocab:

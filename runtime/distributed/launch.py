@@ -43,11 +43,15 @@ INTERRUPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class JobFailed(RuntimeError):
-    """A multi-party job failed; `party` is the party the others blame (None if unknown)."""
+    """A multi-party job failed; `party` is the party the others blame (None if unknown).
+    str(): the head, one line per party and the logs; `line`: all of it that a command line
+    prints, on one line (the failed party, the cause, every exit status, the logs)."""
 
-    def __init__(self, message: str, party: str | None, exit_codes: dict[str, int | None]):
+    def __init__(self, message: str, party: str | None, exit_codes: dict[str, int | None],
+                 line: str | None = None):
         super().__init__(message)
         self.party, self.exit_codes = party, exit_codes
+        self.line = line if line is not None else message.splitlines()[0]
 
 
 class Interrupted(JobFailed):
@@ -117,7 +121,8 @@ def prepare_config(node_config: str | os.PathLike, output_dir: pathlib.Path,
     """Validate `node_config` (+ job overrides) for loopback and write the effective config to
     `output_dir/node_config.json` (TLS paths made absolute) — the file every party reads."""
     source = pathlib.Path(node_config)
-    for warning in load_node_config(source).warnings:  # the file must be valid on its own
+    # The file must be valid on its own; its job is checked with the overrides applied.
+    for warning in load_node_config(source, check_job=False).warnings:
         print(f"[party all] warning: {warning}", file=sys.stderr, flush=True)
     raw = json.loads(source.read_text())
     raw.setdefault("job", {}).update(job_overrides)
@@ -233,7 +238,28 @@ def wait_parties(config: NodeConfig, procs: dict[str, subprocess.Popen],
             else "secure job failed")
     if timed_out and not first_failure:
         head += f" (no result within job.timeout_s={timeout_s:g} s)"
-    raise JobFailed(head + "\n" + "\n".join(lines) + f"\n  logs: {output_dir}", culprit, codes)
+    raise JobFailed(head + "\n" + "\n".join(lines) + f"\n  logs: {output_dir}", culprit, codes,
+                    line=one_line(config, head, culprit, messages, codes, timed_out, output_dir))
+
+
+def one_line(config: NodeConfig, head: str, culprit: str | None, messages: dict[str, str],
+             codes: dict[str, int | None], timed_out: list[str], output_dir) -> str:
+    """A failed job on one line: the head (naming the failed party), the cause (that party's
+    own last error, else the first other party's: it names the failed one), each party's exit
+    status, the logs."""
+    def bare(message: str) -> str:
+        return message.split("] error: ", 1)[-1].strip()
+    own = messages.get(culprit, "") if culprit else ""
+    others = [(pid, messages[pid]) for pid in config.party_ids if messages[pid] and pid != culprit]
+    if own:
+        cause = bare(own)
+    elif others:
+        cause = f"{others[0][0]} says: {bare(others[0][1])}"
+    else:
+        cause = "no party said why"
+    exits = ", ".join(f"{pid} {'killed' if pid in timed_out else codes[pid]}"
+                      for pid in config.party_ids)
+    return f"{head}: {cause} (exit: {exits}; logs: {output_dir})"
 
 
 def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike | None = None,
