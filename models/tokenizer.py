@@ -191,13 +191,82 @@ class ChatTokenizer:
             tokens=field("tokenizer.ggml.tokens", required=True),
             token_types=field("tokenizer.ggml.token_type", required=True),
             merges=field("tokenizer.ggml.merges", required=True),
-            chat_template=field("tokenizer.chat_template", required=True),
+            chat_template=field("tokenizer.chat_template"),
             bos_id=field("tokenizer.ggml.bos_token_id"),
             eos_id=field("tokenizer.ggml.eos_token_id", required=True),
             eot_id=field("tokenizer.ggml.eot_token_id"),
         )
         tok.add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
         return tok
+
+    @classmethod
+    def from_hf_dir(cls, directory: str | os.PathLike) -> "ChatTokenizer | None":
+        """The tokenizer of a Hugging Face checkpoint directory: tokenizer.json, with the chat
+        template (chat_template.jinja, else tokenizer_config.json's chat_template), BOS / EOS
+        tokens and add_bos_token of tokenizer_config.json; ids missing there are taken from
+        generation_config.json / config.json (bos_token_id, eos_token_id; a second EOS id of
+        generation_config.json becomes eot_id). When add_bos_token is not given, a prompt starts
+        with BOS if tokenizer.json's own post-processor adds it. None without tokenizer.json."""
+        directory = pathlib.Path(directory)
+        path = directory / TOKENIZER_FILE
+        if not path.is_file():
+            return None
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises its own exception type
+            raise ValueError(f"{path} is not a readable tokenizers file "
+                             f"({' '.join(str(err).split())})") from err
+
+        def read(name: str) -> dict:
+            file = directory / name
+            if not file.is_file():
+                return {}
+            try:
+                value = json.loads(file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{file} is not valid JSON ({' '.join(str(err).split())})") from err
+            return value if isinstance(value, dict) else {}
+
+        settings, generation = read("tokenizer_config.json"), read("generation_config.json")
+        model_config = read("config.json")
+        template_file = directory / "chat_template.jinja"
+        template = (template_file.read_text() if template_file.is_file()
+                    else settings.get("chat_template"))
+        if isinstance(template, list):   # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+
+        def ids_of(name: str) -> list[int]:
+            token = settings.get(f"{name}_token")
+            if isinstance(token, dict):
+                token = token.get("content")
+            if isinstance(token, str):
+                index = tokenizer.token_to_id(token)
+                if index is None:
+                    raise ValueError(f"{directory / 'tokenizer_config.json'}: {name}_token "
+                                     f"{token!r} is not in {path}")
+                return [index]
+            for source in (generation, model_config):
+                value = source.get(f"{name}_token_id")
+                values = value if isinstance(value, list) else [value]
+                if values and all(isinstance(v, int) for v in values):
+                    return values
+            return []
+
+        bos, eos = ids_of("bos"), ids_of("eos")
+        if not eos:
+            raise ValueError(f"{directory}: no eos_token in tokenizer_config.json and no "
+                             "eos_token_id in generation_config.json or config.json; generation "
+                             "needs an end-of-sequence id")
+        bos_id = bos[0] if bos else None
+        stops = [i for i in generation.get("eos_token_id", []) if isinstance(i, int)] \
+            if isinstance(generation.get("eos_token_id"), list) else []
+        eot_id = next((i for i in stops if i != eos[0]), None)
+        add_bos = settings.get("add_bos_token")
+        if add_bos is None:
+            add_bos = bos_id is not None and \
+                tokenizer.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
+        return cls(tokenizer, template, bos_id, eos[0], eot_id, bool(add_bos))
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write tokenizer.json and chat.json (template and special ids) into `directory`."""
