@@ -142,6 +142,42 @@ def _pairwise_rank(s: jax.Array) -> jax.Array:
     return jnp.sum(stay + _rows_sheared(move), axis=-2)
 
 
+# Largest group a tournament max compares at once (`group_max`).
+TOURNAMENT_FANIN = 16
+
+
+def group_max(x: jax.Array, size: int) -> jax.Array:
+    """Maximum of each run of `size` consecutive entries of the last axis: [..., n * size] ->
+    [..., n]; size a power of two.
+
+    In plaintext a reduction. Under MPC (`secure_trace`) a tournament: groups of up to
+    TOURNAMENT_FANIN entries are ranked at once (`_pairwise_rank`: one batch of comparisons),
+    the entry of rank 0 is found by one equality test and kept by an integer x fixed-point
+    product. A stage costs two comparison rounds whatever its fan-in, where a reduction spends
+    one comparison and one selection per halving: clusters of 64 take 2 stages instead of 6
+    levels (measured in docs/results.md, "The default's cost"). The value is the same, bit for
+    bit (one winner per group, ties to the lower index)."""
+    if size & (size - 1) or size < 1:
+        raise ValueError(f"group size {size} must be a power of two")
+    n = x.shape[-1] // size
+    if n * size != x.shape[-1]:
+        raise ValueError(f"{x.shape[-1]} entries are not whole groups of {size}")
+    if not tracing_for_mpc():
+        return jnp.max(x.reshape(*x.shape[:-1], n, size), axis=-1)
+    fanins = []
+    left = size
+    while left > 1:
+        fanins.append(min(left, TOURNAMENT_FANIN))
+        left //= fanins[-1]
+    for f in fanins:
+        groups = x.reshape(*x.shape[:-1], -1, f)
+        winner = (_pairwise_rank(groups) == 0).astype(jnp.int32)
+        # (elementwise, not a batched product: SPU runs a batched dot_general one group at a
+        # time, a round each)
+        x = jnp.sum(winner * groups, axis=-1)
+    return x
+
+
 def indices_onehot(idx: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
     """idx: [..., k] int -> [..., k, n] one-hot rows (equality against an iota)."""
     return (idx[..., None] == jnp.arange(n)).astype(dtype)

@@ -272,3 +272,17 @@ def test_plaintext_gathers_by_index_equal_the_secure_one_hot_products_bit_for_bi
     with P.secure_trace():
         picked_secure = jax.jit(lambda v: P.chain_put(chain, P.chain_pick(chain, v)))(x)
     np.testing.assert_array_equal(np.asarray(picked_plain), np.asarray(picked_secure))
+
+
+@pytest.mark.parametrize("size", [1, 2, 16, 64, 256])
+def test_group_max_is_the_maximum_in_plaintext_and_as_a_tournament(size):
+    """The tournament traced for MPC (ranks within groups of up to 16, then the rank-0 entry)
+    gives each group's maximum, bit for bit the plaintext reduction's, ties included."""
+    x = np.random.RandomState(size).randint(-4, 4, (3, 4 * size)).astype(np.float32) * 0.37
+    want = x.reshape(3, 4, size).max(-1)
+    np.testing.assert_array_equal(np.asarray(P.group_max(jnp.asarray(x), size)), want)
+    with P.secure_trace():
+        got = jax.jit(lambda v: P.group_max(v, size))(x)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="power of two"):
+        P.group_max(jnp.asarray(x[:, :12]), 3)

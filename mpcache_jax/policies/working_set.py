@@ -338,7 +338,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             token = token * state.inv_norms
         if per_layer and token.shape[0] > 1:
             token = jnp.sum(token, axis=0, keepdims=True)
-        return jnp.max(token.reshape(token.shape[0], geo.clusters, geo.cluster), axis=-1)
+        return P.group_max(token, geo.cluster)                                         # [R, C]
 
     def select(self, q: jax.Array, state: WorkingSetLayer, geo: Geometry, m, start):
         """This step's choice: integer one-hot [R, S, m_max, n_b] over each stripe's candidate
