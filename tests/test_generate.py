@@ -287,8 +287,9 @@ def test_an_interrupted_accuracy_run_leaves_the_previous_results_intact(tmp_path
     assert proc.returncode == 0, proc.stderr[-2000:]
     before = {name: (tmp_path / name).read_bytes()
               for name in ("results.jsonl", "samples.jsonl", "summary.csv")}
+    # one sample per batch, so the run is still going after its first record
     second = subprocess.Popen([*base, "--num_samples=6", "--policies=full,streaming_llm",
-                               "--budgets=0.5"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                               "--budgets=0.5", "--batch_size=1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     partial = tmp_path / "samples.jsonl.partial"
     deadline = time.time() + 500

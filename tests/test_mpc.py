@@ -365,6 +365,19 @@ def test_reveal_check_follows_while_loops():
     return %1#1 : tensor<2x!pphlo.secret<f32>>
   }"""
     assert [line.split(" = ")[0] for line in mpc.secret_reveals(ir)] == ["%2"]
+    # Each result of a multi-result op has its own visibility: the loop's public counter
+    # (result #0) read after the loop is no reveal; its secret value (result #1) made public is.
+    after = """    %4 = pphlo.slice %1#{i} [0:1:1] : (tensor<{t}>) -> tensor<1xi32>
+    return %1#1 : tensor<2x!pphlo.secret<f32>>"""
+    clean = ir.replace("%2 = pphlo.convert %arg2 : (tensor<2x!pphlo.secret<f32>>) -> tensor<2xf32>\n"
+                       "      %3 = pphlo.convert %2 : (tensor<2xf32>) -> tensor<2x!pphlo.secret<f32>>",
+                       "%3 = pphlo.negate %arg2 : tensor<2x!pphlo.secret<f32>>")
+    assert mpc.secret_reveals(clean) == []
+    ret = "    return %1#1 : tensor<2x!pphlo.secret<f32>>"
+    public_read = clean.replace(ret, after.format(i=0, t="i32"))
+    secret_read = clean.replace(ret, after.format(i=1, t="2x!pphlo.secret<f32>"))
+    assert public_read != clean and mpc.secret_reveals(public_read) == []
+    assert [line.split(" = ")[0] for line in mpc.secret_reveals(secret_read)] == ["%4"]
 
 
 def _spu_apply(fn, *args, config=None):

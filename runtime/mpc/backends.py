@@ -352,7 +352,23 @@ def secret_reveals(ir: str) -> list[str]:
     bad = []
 
     def is_secret(name: str) -> bool:
-        return any(name in scope for scope in scopes)
+        # "%64#4" is result 4 of a multi-result op; a single-result op's name has no "#"
+        base = name.split("#")[0]
+        return any(name in scope or base in scope for scope in scopes)
+
+    def expand(res: str) -> list[str]:
+        """"%a, %b" -> [%a, %b]; "%64:5" -> [%64#0 .. %64#4], each result typed on its own."""
+        names = []
+        for r in res.split(","):
+            name, _, count = r.strip().partition(":")
+            names += [f"{name}#{i}" for i in range(int(count))] if count else [name]
+        return names
+
+    def mark(results: list[str], types: list[str]) -> None:
+        if len(types) == len(results):
+            scopes[-1].update(r for r, t in zip(results, types) if "secret" in t)
+        elif any("secret" in t for t in types):
+            scopes[-1].update(results)
 
     for line in ir.splitlines():
         text = line.strip()
@@ -362,9 +378,7 @@ def secret_reveals(ir: str) -> list[str]:
             if text.endswith("{"):            # "}, {": the next region of the same op
                 scopes.append(set())
             elif pending and "->" in text:
-                results = pending.pop()
-                if "secret" in text.rsplit("->", 1)[1]:
-                    scopes[-1].update(results)
+                mark(pending.pop(), _split_types(text.rsplit("->", 1)[1].strip().strip("()")))
             continue
         if "func.func" in line or "reducer(" in line or text.startswith("^"):
             if text.endswith("{"):
@@ -381,7 +395,7 @@ def secret_reveals(ir: str) -> list[str]:
             if text.endswith("{"):
                 scopes.append(set())
             continue
-        results = [r.split(":")[0].strip() for r in m["res"].split(",")]
+        results = expand(m["res"])
         body = m["body"]
         if body.startswith("pphlo.while("):
             # Loop-carried values: initial value i becomes region argument i (seen by the cond
@@ -396,23 +410,21 @@ def secret_reveals(ir: str) -> list[str]:
             for (arg, init), typ in zip(pairs, types):
                 if "secret" in typ:
                     scopes[-1].add(arg)
-                elif is_secret(init.split("#")[0]):
+                elif is_secret(init):
                     bad.append(text)
-            if any("secret" in t for t in types):
-                scopes[-1].update(results)
+            mark(results, types)
             continue
         if text.endswith("({"):                # a region op: typed when its regions close
             pending.append(results)
             scopes.append(set())
             continue
         type_part = body.rsplit("->", 1)[1] if "->" in body else body.rsplit(" : ", 1)[-1]
-        operands = [v.split("#")[0] for v in _VALUE.findall(body.split(" : ")[0])]
+        operands = _VALUE.findall(body.split(" : ")[0])
         if body.startswith("pphlo.broadcast_as"):
             operands = operands[:1]   # the second operand only lends its shape
         secret_in = any(is_secret(v) for v in operands)
         result_types = re.findall(r"tensor<[^ ]*", type_part)
-        if "secret" in type_part:
-            scopes[-1].update(results)
+        mark(results, result_types)
         if secret_in and any("secret" not in t for t in result_types):
             bad.append(text)
     return bad
