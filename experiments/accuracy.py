@@ -478,7 +478,7 @@ def run(FLAGS) -> None:
     fitted = prompt_lengths(lengths, steps, context, FLAGS.model,   # before any work
                             parse_numbers("buckets", FLAGS.buckets, int))
     for label, budget, policy in policies:
-        if getattr(policy, "reuses", False):   # a working set no prompt can hold: stop now
+        if policy.reuses:   # a working set no prompt can hold: stop now
             try:
                 policy.check_prompt(max(fitted))
             except ValueError as err:

@@ -81,12 +81,9 @@ def mechanism(model, params, policy, dense, aux, logits, start_pos: int, ref: Re
 def check_policy(policy, prompt_len: int, aux) -> None:
     """Raise ValueError when the policy's configuration cannot serve this prompt length (e.g.
     a budget smaller than its always-selected clusters) or this bucket."""
-    check = getattr(policy, "check_prompt", None)
-    if check is not None:
-        check(prompt_len)
-    check = getattr(policy, "check_bucketed", None)
-    if check is not None and aux.length is not None:
-        check(prompt_len, aux.min_length, aux.prompt_len)
+    policy.check_prompt(prompt_len)
+    if aux.length is not None:
+        policy.check_bucketed(prompt_len, aux.min_length, aux.prompt_len)
 
 
 def sample_steps(sample, max_new_tokens: int) -> int:

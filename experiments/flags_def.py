@@ -41,7 +41,8 @@ flags.DEFINE_enum("metric", None, ["contains", "exact", "qa_f1", "rouge_l"],
                   "LongBench metric (default: by dataset name).")
 flags.DEFINE_integer("ppl_target_len", 64, "Tokens scored after each ppl prefix.")
 flags.DEFINE_list("buckets",
-                  ["512", "1024", "1536", "2048", "3072", "4096", "8192", "16384", "32768"],
+                  ["512", "1024", "1536", "2048", "3072", "4096", "6144", "8192", "12288",
+                   "16384", "24576", "32768"],
                   "Accuracy: prompts are padded to the first of these lengths that holds them "
                   "(their length a runtime value), so prefill, compression and decode compile "
                   "once per bucket and policy; empty (--buckets=) compiles per exact length.")

@@ -82,9 +82,7 @@ def check_prompt(policy, model, prompt_ids, max_new_tokens: int) -> None:
         raise ValueError(f"the prompt has {T} tokens; with --max_new_tokens={max_new_tokens} it "
                          f"exceeds {model.cfg.name}'s context of {model.cfg.max_position}: "
                          "shorten the prompt or generate fewer tokens")
-    check = getattr(policy, "check_prompt", None)
-    if check is not None:
-        check(T)
+    policy.check_prompt(T)
 
 
 def run(FLAGS) -> None:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpcache_jax.cache import policy_layers
+from mpcache_jax.cache import nested_field, policy_layers, secret_field
 from mpcache_jax.policy import FULL, AttentionPolicy
 
 
@@ -53,8 +53,8 @@ class ProbeState:
     """inner: the policy's own layer state; attended: int32 [H_kv, S] slots of its kept region
     that the last decode step attended to."""
 
-    inner: Any
-    attended: jax.Array
+    inner: Any = nested_field()
+    attended: jax.Array = secret_field()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,30 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# The visibility of every array field of a cache state under MPC, declared where the field is
+# defined (`runtime.programs.cache_visibility` reads it and refuses a field that declares
+# none): secret (derived from the prompt or the weights), public (token counts and positions,
+# public in the threat model: docs/design.md) or nested (a state holding other states, whose
+# own fields say).
+VISIBILITY = "visibility"
+SECRET, PUBLIC, NESTED = "secret", "public", "nested"
+
+
+def secret_field(**kwargs):
+    """A cache field derived from the prompt or the weights."""
+    return flax.struct.field(metadata={VISIBILITY: SECRET}, **kwargs)
+
+
+def public_field(**kwargs):
+    """A cache field every party may know (a token count)."""
+    return flax.struct.field(metadata={VISIBILITY: PUBLIC}, **kwargs)
+
+
+def nested_field(**kwargs):
+    """A field holding other cache states (their own fields declare)."""
+    return flax.struct.field(metadata={VISIBILITY: NESTED}, **kwargs)
+
+
 @flax.struct.dataclass
 class LayerKV:
     """Key/value buffers of one layer.
@@ -22,9 +46,9 @@ class LayerKV:
     k, v: [H_kv, S, d] with S the fixed capacity; length: int32 [] slots [0, length) are in use.
     """
 
-    k: jax.Array
-    v: jax.Array
-    length: jax.Array
+    k: jax.Array = secret_field()
+    v: jax.Array = secret_field()
+    length: jax.Array = public_field()
 
     @property
     def capacity(self) -> int:
@@ -145,8 +169,8 @@ class SplitCache:
     A model without local layers keeps a plain tuple (one state per layer) instead.
     """
 
-    evicting: tuple
-    window: tuple
+    evicting: tuple = nested_field()
+    window: tuple = nested_field()
     local: tuple = flax.struct.field(pytree_node=False)
 
     def per_layer(self) -> list:
@@ -172,7 +196,7 @@ class LayerStack:
     which is how policies' `compress` walks the layers. Build one with `LayerStack.of`.
     """
 
-    stacked: Any
+    stacked: Any = nested_field()
 
     @classmethod
     def of(cls, states) -> "LayerStack":

@@ -14,7 +14,8 @@ function of an int, `fn(t)`, and
     extent.bound(fn, key)   # a static int >= every value count() can take: shapes use it
 
 so a runtime T gives exactly the counts an exact-length program would use.
-`key` (hashable, e.g. (policy, "kept")) names `fn` for the table cache.
+`key` = (owner, *name), e.g. (policy, "kept"): the owner (a policy) keeps the table in its own
+memo (`AttentionPolicy.tables`).
 """
 from __future__ import annotations
 
@@ -25,23 +26,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_TABLES: dict = {}
-
-
 def _table(fn: Callable[[int], int], key: Hashable, low: int, high: int) -> np.ndarray:
     """[high + 1] int32: fn(t) for t in [low, high] (0 elsewhere, and where fn raises: such
-    lengths are refused before a run by the policy's check_prompt)."""
-    cache_key = (key, low, high)
-    table = _TABLES.get(cache_key)
-    if table is None:
+    lengths are refused before a run by the policy's check_prompt). key = (owner, *name): the
+    table is kept in the owner's own memo (`AttentionPolicy.tables`), not in this module."""
+    owner, name = key[0], tuple(key[1:])
+
+    def build():
         table = np.zeros(high + 1, np.int32)
         for t in range(max(low, 1), high + 1):
             try:
                 table[t] = fn(t)
             except ValueError:
                 table[t] = 0
-        _TABLES[cache_key] = table
-    return table
+        return table
+    return owner.memo(("extent",) + name + (low, high), build)
 
 
 @dataclasses.dataclass(frozen=True)

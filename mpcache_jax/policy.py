@@ -69,6 +69,47 @@ class AttentionPolicy:
                     "requested; allocate capacity >= prompt length + max_new_tokens")
         return cache
 
+    @property
+    def tables(self) -> dict:
+        """This policy's own memo of what it computes per prompt length (counts a bucketed
+        prompt reads from public tables, layouts): it lives and dies with the policy, so a run
+        that builds many policies does not grow a process-wide cache."""
+        memo = self.__dict__.get("_tables")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_tables", memo)
+        return memo
+
+    def memo(self, key, compute):
+        """compute(), kept in `tables` under key."""
+        tables = self.tables
+        if key not in tables:
+            tables[key] = compute()
+        return tables[key]
+
+    # --- what the runtime and the harnesses ask every policy (defaults: no limits) --------------
+    def check_prompt(self, prompt_len: int) -> None:
+        """Raise ValueError saying what to change when this configuration cannot serve a
+        prompt of `prompt_len` tokens (a budget smaller than what the policy always keeps).
+        Called before any work: by the runtime for a bucketed prompt's real length, by the
+        harnesses and the node-config check for every length they will run."""
+
+    def check_bucketed(self, length: int, low: int, capacity: int) -> None:
+        """Raise ValueError when prompts padded to a bucket of [low, capacity] slots cannot
+        share this policy's program (a layout that changes inside the bucket)."""
+
+    def ranked_rows(self, prompt_len: int, num_kv_heads: int) -> tuple[int, int] | None:
+        """(rows, candidates of the longest row) one layer's selection ranks per decode step,
+        for cost runs choosing a top-k method; None: no ranking, or one over every prompt
+        token per KV head."""
+        return None
+
+    @property
+    def reuses(self) -> bool:
+        """Whether decode steps reuse a selection gathered on an earlier step (its working set
+        must fit the prompt: `check_prompt`)."""
+        return False
+
     def free_slots(self, cache: KVCache) -> int:
         """How many more tokens the decode cache can take (host-side check before a step)."""
         layer = cache[0]

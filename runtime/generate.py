@@ -68,12 +68,8 @@ def apply_policy(policy: AttentionPolicy, cache, aux: PrefillAux, max_new_tokens
     (`full`) gets a copy, so the prefill cache can serve further policies.
     """
     if aux.length is not None:  # bucketed: the policy checks the real length here
-        check = getattr(policy, "check_prompt", None)
-        if check is not None:
-            check(int(aux.length))
-        check = getattr(policy, "check_bucketed", None)
-        if check is not None:
-            check(int(aux.length), aux.min_length, aux.prompt_len)
+        policy.check_prompt(int(aux.length))
+        policy.check_bucketed(int(aux.length), aux.min_length, aux.prompt_len)
     return unaliased(compress_cache(policy, cache, aux, max_new_tokens), cache)
 
 

@@ -24,21 +24,20 @@ the same model functions (`models.model.dense_prefill`, `decode_logits`); the co
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpcache_jax.cache import policy_layers, with_policy_layers
+from mpcache_jax.cache import (NESTED, PUBLIC, SECRET, VISIBILITY, policy_layers,
+                               with_policy_layers)
 from mpcache_jax.policy import AttentionPolicy, PrefillAux
 from models.model import decode_logits, dense_prefill
 from models import transformer
 
-SECRET = "secret"
-PUBLIC = "public"
-# Token counters of the cache (slot positions) are public; every other leaf is secret.
-PUBLIC_CACHE_FIELDS = ("length",)
+# SECRET / PUBLIC: the visibility flags, as the cache states declare theirs.
 
 
 def greedy(logits: jax.Array) -> jax.Array:
@@ -180,12 +179,38 @@ def _secret_outputs_of(eqn, ins: list[bool]) -> list[bool]:
 
 
 def cache_visibility(cache) -> Any:
-    """SECRET for every cache leaf except token counters (`length`: public slot positions)."""
-    def flag(path, _leaf):
-        last = path[-1] if path else None
-        name = getattr(last, "name", getattr(last, "key", None))
-        return PUBLIC if name in PUBLIC_CACHE_FIELDS else SECRET
-    return jax.tree_util.tree_map_with_path(flag, cache)
+    """SECRET/PUBLIC for every cache leaf, as each state declares its fields where they are
+    defined (`mpcache_jax.cache.secret_field` / `public_field` / `nested_field`): a tree of the
+    cache's structure with a flag per leaf. A field holding arrays that declares no visibility
+    is an error naming it: nothing is secret or public by how a field is spelled."""
+    if cache is None:
+        return None
+    if isinstance(cache, (tuple, list)):
+        return type(cache)(cache_visibility(x) for x in cache)
+    if isinstance(cache, dict):
+        return {k: cache_visibility(v) for k, v in cache.items()}
+    if not dataclasses.is_dataclass(cache) or isinstance(cache, type):
+        raise ValueError(f"a cache leaf of type {type(cache).__name__} is not inside a cache "
+                         "state with declared fields (mpcache_jax.cache.secret_field / "
+                         "public_field)")
+    flags = {}
+    for field in dataclasses.fields(cache):
+        if not field.metadata.get("pytree_node", True):
+            continue                                   # static: part of the program's shape
+        value = getattr(cache, field.name)
+        declared = field.metadata.get(VISIBILITY)
+        if declared is None:
+            if not jax.tree_util.tree_leaves(value):
+                flags[field.name] = value              # nothing to share (None, empty)
+                continue
+            raise ValueError(f"{type(cache).__name__}.{field.name} declares no visibility: "
+                             "define it with mpcache_jax.cache.secret_field(), public_field() "
+                             "or nested_field()")
+        if declared == NESTED:
+            flags[field.name] = cache_visibility(value)
+        else:
+            flags[field.name] = jax.tree_util.tree_map(lambda _, flag=declared: flag, value)
+    return dataclasses.replace(cache, **flags)
 
 
 def shape_of(tree) -> Any:
@@ -217,11 +242,13 @@ class StepPrograms:
     def vocab(self) -> int:
         return self.model.cfg.vocab_size
 
-    @property
+    @functools.cached_property
     def prefill(self):
+        """The prefill program (built once per instance: one function object, so a jit or a
+        backend compile keyed by it is reused)."""
         return prefill_fn(self.model, self.policy, self.max_new_tokens)
 
-    @property
+    @functools.cached_property
     def decode(self):
         return decode_fn(self.model, self.policy)
 
@@ -258,6 +285,7 @@ class StepPrograms:
         args = self.decode_args(params_shape)
         cache_example = args[3]
         tree = jax.tree_util.tree_structure(cache_example)
+        declared = broadcast_visibility(cache_visibility(cache_example), cache_example)
         if start is None:
             start = self.prefill_output_visibility(params_shape)[2]
         flags = broadcast_visibility(start, cache_example)
@@ -267,6 +295,18 @@ class StepPrograms:
             out_flags = broadcast_visibility(out, cache_example)
             merged = [SECRET if SECRET in (a, b) else PUBLIC for a, b in zip(flags, out_flags)]
             if merged == flags:
-                return jax.tree_util.tree_unflatten(tree, flags)
+                break
             flags = merged
-        raise RuntimeError("cache visibility did not reach a fixed point")
+        else:
+            raise RuntimeError("cache visibility did not reach a fixed point")
+        # A field declared public must be computed from public values only (a counter): one that
+        # depends on a secret would be revealed by sharing it as public.
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(cache_example)[0]]
+        leaks = [path for path, want, got in zip(paths, declared, flags)
+                 if want == PUBLIC and got == SECRET]
+        if leaks:
+            raise ValueError(f"cache field(s) {', '.join(leaks[:4])} are declared public but "
+                             "depend on a secret in the step programs; declare them "
+                             "secret_field()")
+        return jax.tree_util.tree_unflatten(tree, flags)

@@ -100,9 +100,9 @@ def test_a_batch_decodes_as_its_samples_one_by_one(tiny):
     together) give each sample's own tokens and logits."""
     model, params = tiny
     rng = np.random.RandomState(2)
-    prompts = [list(rng.randint(0, 256, n)) for n in (70, 101, 128)]
+    prompts = [list(rng.randint(0, 256, n)) for n in (98, 101, 128)]
     policy = make_policy("mpcache", 0.4)
-    bucket, steps = (65, 128), 8
+    bucket, steps = (97, 128), 8
     outs = [prefill_prompt(model, params, p, steps, False, bucket=bucket) for p in prompts]
     logits = jnp.stack([o[0] for o in outs])
     from runtime.generate import compress_batch
@@ -144,7 +144,7 @@ def test_the_batched_harness_gives_each_samples_records_alone():
         lm.tokenizer, lengths=[300], depths=[0.3, 0.7], num_samples=3, seed=0))
     policies = [("full", 1.0, make_policy("full")), ("mpcache", 0.2, make_policy("mpcache", 0.2)),
                 ("longcache", 0.2, make_policy("longcache", 0.2))]
-    kwargs = dict(max_new_tokens=10, agree_tokens=6, with_mechanism=False, bucket=(257, 512))
+    kwargs = dict(max_new_tokens=10, agree_tokens=6, with_mechanism=False, bucket=(257, 384))
     together = fidelity.evaluate_batch(lm, samples, policies, batch_size=4, **kwargs)
     for sample, records in zip(samples, together):
         alone = fidelity.evaluate_batch(lm, [sample], policies, **kwargs)[0]

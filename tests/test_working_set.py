@@ -145,13 +145,18 @@ def test_bad_settings_and_buckets_are_refused_with_the_setting_named():
         make_policy("mpcache", 0.1, refresh_every=0)
     with pytest.raises(ValueError, match="cluster_score='best'"):
         make_policy("mpcache", 0.1, cluster_score="best")
-    with pytest.raises(ValueError, match="cluster_size=1 must be >= 2"):
+    with pytest.raises(ValueError, match="cluster_size=1 must be a power of two >= 2"):
         make_policy("mpcache", 0.1, cluster_size=1)
+    with pytest.raises(ValueError, match="cluster_size=24 must be a power of two"):
+        make_policy("mpcache", 0.1, cluster_size=24)
     with pytest.raises(ValueError, match="token_score='cosine' scores single tokens"):
         make_policy("mpcache", 0.1, token_score="cosine", cluster_score="mean")
     with pytest.raises(ValueError, match="cannot hold the sink cluster of 16"):
         make_policy("mpcache", 10).check_prompt(2048)
-    with pytest.raises(ValueError, match=r"the bucket \[100, 300\] spans 128 and 512; use "
-                                         "bucket edges at powers of two"):
+    with pytest.raises(ValueError, match=r"the bucket \[100, 300\] spans 128 and 384; use "
+                                         r"bucket edges at such lengths \(e.g. 1024, 1536"):
         make_policy("mpcache", 0.1).check_bucketed(150, 100, 300)
+    with pytest.raises(ValueError, match=r"the bucket \[1025, 2048\] spans 1536 and 2048"):
+        make_policy("mpcache", 0.1).check_bucketed(1100, 1025, 2048)
     make_policy("mpcache", 0.1).check_bucketed(1100, 1025, 1536)
+    make_policy("mpcache", 0.1).check_bucketed(1600, 1537, 2048)

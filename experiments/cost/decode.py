@@ -51,9 +51,8 @@ def build_policy(cfg: CostConfig, name: str, protocol: str, prompt_len: int, num
         # The rows and longest candidate row the policy ranks: MPCache's levels say theirs
         # (clusters, one row per layer or per KV head); token-level selection is costed like
         # the measured per-head case (every prompt token a candidate).
-        rows, candidates = RANK_ROWS_MEASURED, prompt_len
-        if hasattr(policy, "ranked_rows"):
-            rows, candidates = policy.ranked_rows(prompt_len, num_kv_heads)
+        rows, candidates = policy.ranked_rows(prompt_len, num_kv_heads) or (
+            RANK_ROWS_MEASURED, prompt_len)
         method = topk_method_for(cfg, protocol, rows, candidates)
         allowed = getattr(type(policy), "TOPK_METHODS", None)   # a policy that ranks one way
         changes["topk_method"] = method if allowed is None or method in allowed else allowed[0]
@@ -110,9 +109,10 @@ def bench_decode(cfg: CostConfig, harness: Harness):
                                                return_queries=True)
             for label, name, options in cfg.policies:
                 policy, budget = build_policy(cfg, name, protocol, T, cfgm.num_kv_heads, options)
+                settings = vars(policy)       # the dataclass's fields
                 extra = {"scope": "decoder_layers", "budget": budget, **picked,
-                         "topk_method": getattr(policy, "topk_method", None),
-                         "share_from": getattr(policy, "share_from", None),
+                         "topk_method": settings.get("topk_method"),
+                         "share_from": settings.get("share_from"),
                          "softmax": policy.softmax}
                 if policy.recomputes:
                     if T > cfg.no_cache_max_len:

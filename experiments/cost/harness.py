@@ -92,10 +92,9 @@ class CostConfig:
             for label, name, options in self.policies:
                 if name not in ("full", "no_cache"):
                     policy = make_policy(name, budget=self.budget, **(options or {}))
-                    check = getattr(policy, "check_prompt", None)
-                    if self.bench == "decode" and check:   # now, not mid-run
+                    if self.bench == "decode":   # now, not mid-run
                         for T in self.seq_lens:
-                            check(T)
+                            policy.check_prompt(T)
 
     @classmethod
     def from_flags(cls, FLAGS) -> "CostConfig":

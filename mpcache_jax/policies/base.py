@@ -12,7 +12,6 @@ that depends on the prompt length T is written as a function of an int and evalu
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.struct
@@ -23,7 +22,8 @@ import numpy as np
 from mpcache_jax import attention
 from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
-from mpcache_jax.cache import LayerKV, append_token, empty_layer
+from mpcache_jax.cache import (LayerKV, append_token, empty_layer, nested_field,
+                               public_field, secret_field)
 from mpcache_jax.policy import AttentionPolicy, PrefillAux
 
 
@@ -37,16 +37,16 @@ class PrunedLayer:
     prompt: the bucket's capacity and the largest kept count; `length` is then the int32
     number of real prompt tokens and `low` the bucket's smallest length)."""
 
-    k: jax.Array
-    v: jax.Array
-    valid: jax.Array
-    new: LayerKV
-    extras: Any = None
+    k: jax.Array = secret_field()
+    v: jax.Array = secret_field()
+    valid: jax.Array = secret_field()
+    new: LayerKV = nested_field()
+    extras: Any = secret_field(default=None)
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
     kept: int = flax.struct.field(pytree_node=False, default=0)
-    length: jax.Array | None = None
+    length: jax.Array | None = public_field(default=None)
     low: int = flax.struct.field(pytree_node=False, default=1)
-    working: "WorkingSet | None" = None
+    working: "WorkingSet | None" = nested_field(default=None)
 
     def extent(self) -> E.Extent:
         """The prompt's extent (static or runtime length)."""
@@ -118,9 +118,9 @@ def keep_by_mask(k: jax.Array, v: jax.Array, keep: jax.Array, count, capacity: i
     return kept_k, kept_v, jnp.broadcast_to(jnp.asarray(valid, k.dtype), (Hkv, capacity))
 
 
-@functools.lru_cache(maxsize=None)
 def _layer_counts(policy, num_layers: int, prompt_len: int) -> tuple[int, ...]:
-    return tuple(policy.kept_counts(num_layers, prompt_len))
+    return policy.memo(("layer_counts", num_layers, prompt_len),
+                       lambda: tuple(policy.kept_counts(num_layers, prompt_len)))
 
 
 def new_region(like: LayerKV, max_new_tokens: int) -> LayerKV:
@@ -229,10 +229,10 @@ class WorkingSet:
     everything here is secret: it was gathered with a secret one-hot.
     """
 
-    k: jax.Array
-    v: jax.Array
-    valid: jax.Array
-    slot: jax.Array
+    k: jax.Array = secret_field()
+    v: jax.Array = secret_field()
+    valid: jax.Array = secret_field()
+    slot: jax.Array = secret_field()
 
     def attended_slots(self, num_kv_heads: int, region: int) -> jax.Array:
         """0/1 int32 [H_kv, region]: the prompt-region slots this working set holds."""
@@ -442,19 +442,19 @@ class EvictingLayer:
     seen: int32 [] tokens seen so far (prompt + generated) = position of the next token.
     """
 
-    k: jax.Array
-    v: jax.Array
-    valid: jax.Array
-    score: jax.Array
-    pos: jax.Array
-    seen: jax.Array
+    k: jax.Array = secret_field()
+    v: jax.Array = secret_field()
+    valid: jax.Array = secret_field()
+    score: jax.Array = secret_field()
+    pos: jax.Array = secret_field()
+    seen: jax.Array = secret_field()
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
     # Bucketed prompts: the int32 real prompt length, the bucket's smallest length, and
     # usable [H_kv, S] 0/1 (the slots a prompt of this length may fill: the buffer is sized
     # for the bucket's longest prompt).
-    length: jax.Array | None = None
+    length: jax.Array | None = public_field(default=None)
     low: int = flax.struct.field(pytree_node=False, default=1)
-    usable: jax.Array | None = None
+    usable: jax.Array | None = secret_field(default=None)
 
     def extent(self) -> E.Extent:
         if self.length is None:

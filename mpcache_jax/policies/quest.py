@@ -13,7 +13,6 @@ is exactly `full`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -64,9 +63,8 @@ class Layout:
         return self.extent.count(fn, key)
 
 
-@functools.lru_cache(maxsize=None)
 def _layout(policy, prompt_len: int) -> Layout:
-    return policy.layout(prompt_len)
+    return policy.memo(("layout", prompt_len), lambda: policy.layout(prompt_len))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,11 +165,14 @@ class PageSelectionPolicy(PromptEvictionPolicy):
                       middle=field("middle"), local=field("local"), selected=field("selected"),
                       pages=field("num_pages"), extent=extent)
 
-    @functools.lru_cache(maxsize=None)
     def bucket_lengths(self, low: int, capacity: int) -> tuple[int, ...]:
         """The prompt lengths of a bucket one program serves: every length the policy accepts,
         except, in a bucket where the budget prunes most lengths, the few short ones it
         covers whole (their layout differs; they run as exact-length programs)."""
+        return self.memo(("bucket_lengths", low, capacity),
+                         lambda: self._bucket_lengths(low, capacity))
+
+    def _bucket_lengths(self, low: int, capacity: int) -> tuple[int, ...]:
         ok = []
         for t in range(low, capacity + 1):
             try:

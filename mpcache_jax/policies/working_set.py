@@ -24,9 +24,9 @@ default's cost"). A decode step attends to
 Counts follow the prompt length t: the budget B(t) tokens (a ratio of t or a count) holds the
 sink cluster, S x c x m(t) selected tokens and the recent window (whatever the selection's
 whole clusters leave, at least `recent_min` tokens while selection runs). The cluster size c
-and the stripes S come from the power of two at or above t (`geometry`), so every prompt of a
-power-of-two bucket shares one layout and one compiled program; t itself may be a runtime
-value (bucketed prompts) through `mpcache_jax.extent`.
+and the stripes S come from the length class at or above t (2^k or 3 x 2^(k-1): `geometry`),
+so every prompt of a bucket between two such lengths shares one layout and one compiled
+program; t itself may be a runtime value (bucketed prompts) through `mpcache_jax.extent`.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ import numpy as np
 from mpcache_jax import attention
 from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
-from mpcache_jax.cache import LayerKV, append_token
+from mpcache_jax.cache import (LayerKV, append_token, nested_field, public_field,
+                               secret_field)
 from mpcache_jax.policies.base import PromptEvictionPolicy, new_region, prompt_kv
 
 CLUSTER_SCORES = ("max", "mean")
@@ -58,8 +59,16 @@ MIN_CLUSTER, MAX_CLUSTER = 8, 256
 
 
 def geometry_length(t: int) -> int:
-    """The power of two at or above t: prompts that share it share a layout."""
-    return 1 << max(0, (int(t) - 1).bit_length())
+    """The smallest of 2^k and 3 x 2^(k-1) at or above t (..., 1024, 1536, 2048, 3072, 4096,
+    6144, 8192, ...): prompts that share it share a layout."""
+    power = 1 << max(0, (int(t) - 1).bit_length())
+    three_quarters = power // 4 * 3
+    return three_quarters if three_quarters >= t else power
+
+
+def shorter_length(length: int) -> int:
+    """The geometry length below `length` (the longest prompt of the class before it)."""
+    return length * 2 // 3 if length & (length - 1) else length * 3 // 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,17 +115,17 @@ class WorkingSetLayer:
     generated tokens; prompt_len: static prompt slots; length: int32 [] real prompt tokens of
     a bucketed prompt (None: static); low: the bucket's smallest length."""
 
-    k: jax.Array
-    v: jax.Array
-    striped: jax.Array
-    digest: Any
-    inv_norms: Any
-    working_k: jax.Array
-    working_v: jax.Array
-    picked: jax.Array
-    new: LayerKV
+    k: jax.Array = secret_field()
+    v: jax.Array = secret_field()
+    striped: jax.Array = secret_field()
+    digest: Any = secret_field()
+    inv_norms: Any = secret_field()
+    working_k: jax.Array = secret_field()
+    working_v: jax.Array = secret_field()
+    picked: jax.Array = secret_field()
+    new: LayerKV = nested_field()
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
-    length: jax.Array | None = None
+    length: jax.Array | None = public_field(default=None)
     low: int = flax.struct.field(pytree_node=False, default=1)
 
     def extent(self) -> E.Extent:
@@ -174,9 +183,9 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-        if self.cluster_size and self.cluster_size < 2:
-            raise ValueError(f"cluster_size={self.cluster_size} must be >= 2 (or 0 for the "
-                             "size that follows the prompt length)")
+        if self.cluster_size and (self.cluster_size < 2 or self.cluster_size & (self.cluster_size - 1)):
+            raise ValueError(f"cluster_size={self.cluster_size} must be a power of two >= 2 (or 0 "
+                             "for the size that follows the prompt length)")
         if self.cluster_score not in CLUSTER_SCORES:
             raise ValueError(f"cluster_score={self.cluster_score!r}; use one of {CLUSTER_SCORES}")
         if self.token_score not in TOKEN_SCORES:
@@ -194,17 +203,22 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     # --- counts ------------------------------------------------------------------------------
     def cluster_of(self, length: int) -> int:
-        """c for prompts of this geometry length."""
+        """c for prompts of this geometry length: the power of two at or below length /
+        candidates, within [MIN_CLUSTER, MAX_CLUSTER]."""
         if self.cluster_size:
             return self.cluster_size
-        return int(min(MAX_CLUSTER, max(MIN_CLUSTER, length // self.candidates)))
+        size = 1 << max(0, (length // self.candidates).bit_length() - 1)
+        return int(min(MAX_CLUSTER, max(MIN_CLUSTER, size)))
 
     def stripes_of(self, length: int) -> int:
-        """S for prompts of this geometry length."""
+        """S for prompts of this geometry length: as many clusters as the budget of the
+        class's shortest prompt holds beside its sink and recent window, so that every prompt
+        of the class keeps m >= 1 cluster per stripe, and m = 1 for most (a gather of m x T x
+        row multiply-accumulates: the fewer per stripe, the cheaper)."""
         if self.stripes:
             return self.stripes
         c = self.cluster_of(length)
-        smallest = length // 2 + 1 if length > 1 else 1
+        smallest = shorter_length(length) + 1 if length > 2 else 1
         room = P.budget_tokens(self.budget, smallest) - min(c, smallest) - self.recent_min
         return max(1, room // c)
 
@@ -262,10 +276,11 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     def check_bucketed(self, length: int, low: int, capacity: int) -> None:
         if geometry_length(low) != geometry_length(capacity):
-            raise ValueError(f"policy {self.name!r} lays out prompts by the power of two at or "
-                             f"above their length: the bucket [{low}, {capacity}] spans "
-                             f"{geometry_length(low)} and {geometry_length(capacity)}; use "
-                             "bucket edges at powers of two")
+            raise ValueError(f"policy {self.name!r} lays out prompts by the length class "
+                             f"(2^k or 3 x 2^(k-1)) at or above their length: the bucket "
+                             f"[{low}, {capacity}] spans {geometry_length(low)} and "
+                             f"{geometry_length(capacity)}; use bucket edges at such lengths "
+                             "(e.g. 1024, 1536, 2048, 3072, 4096, 6144, 8192)")
 
     def ranked_rows(self, prompt_len: int, num_kv_heads: int) -> tuple[int, int]:
         """(rows, candidates per row) a selection ranks: S stripes per selecting row."""
