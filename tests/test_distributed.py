@@ -22,7 +22,7 @@ import pytest
 from experiments.faults import cases, forge, harness, kinds
 from runtime.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_config,
                                  parse_node_config, run_loopback)
-from runtime.distributed import config as config_lib
+from runtime.distributed import bounds
 from runtime.distributed import job as job_lib
 from runtime.distributed.compare import simulate
 from runtime.distributed.launch import free_ports, prepare_config, start_parties
@@ -376,9 +376,9 @@ def test_memory_estimate_follows_its_formula():
     want = (2**30 + 16 * (params + 2 * T * cfg.vocab_size
                           + 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (T + N)
                           + 4 * max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)))
-    assert config_lib.estimate_party_memory(job, config.mpc)[0] == want
+    assert bounds.estimate_party_memory(job, config.mpc)[0] == want
     semi = parse_node_config(node_config(2, "SEMI2K"))
-    assert config_lib.estimate_party_memory(job, semi.mpc)[0] - 2**30 == (want - 2**30) // 2
+    assert bounds.estimate_party_memory(job, semi.mpc)[0] - 2**30 == (want - 2**30) // 2
 
 
 def test_clear_prefill_memory_estimate_drops_the_secure_prefill():
@@ -398,13 +398,13 @@ def test_clear_prefill_memory_estimate_drops_the_secure_prefill():
                                                    cfg.intermediate_size))
             + 4 * (params + T * cfg.vocab_size
                    + 4 * max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)))
-    assert config_lib.estimate_party_memory(job, config.mpc)[0] == want
+    assert bounds.estimate_party_memory(job, config.mpc)[0] == want
     secure = parse_node_config(node_config(3, "ABY3"))
-    assert want < config_lib.estimate_party_memory(secure.job, secure.mpc)[0]
+    assert want < bounds.estimate_party_memory(secure.job, secure.mpc)[0]
     for prefill, fits in (("secure", False), ("clear", True)):
         big = JobSpec(model="llama2-d1024", num_layers=2, policy="full", seq_len=2048,
                       max_new_tokens=4, prefill=prefill)
-        need = config_lib.estimate_party_memory(big, config.mpc)[0]
+        need = bounds.estimate_party_memory(big, config.mpc)[0]
         assert (need < 0.8 * 24 * 2**30 / 3) == fits, (prefill, need / 2**30)
 
 

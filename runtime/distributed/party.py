@@ -41,8 +41,8 @@ import numpy as np
 from models import registry
 from models.model import Model
 from runtime.distributed.certs import identity_mismatch
-from runtime.distributed.config import (FIELD_BYTES, SHARES_PER_PARTY, NodeConfig,
-                                        NodeConfigError, check_job_bounds, is_loopback, node_tag)
+from runtime.distributed.bounds import FIELD_BYTES, SHARES_PER_PARTY, check_job_bounds
+from runtime.distributed.config import NodeConfig, NodeConfigError, is_loopback, node_tag
 from runtime.distributed import costs, job as job_lib, wire
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_PEER = 0, 1, 2, 3

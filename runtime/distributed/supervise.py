@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-from runtime.distributed.config import NodeConfig, estimate_party_memory
+from runtime.distributed.bounds import estimate_party_memory
+from runtime.distributed.config import NodeConfig
 from runtime.distributed.launch import Interrupted, child_env, interruptible
 from runtime.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, PRIVATE_DIR_ENV,
                                        blame, failing_peer, front_events_path,
