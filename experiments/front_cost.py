@@ -157,8 +157,9 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "f
     import threading
     import timeit
     from experiments.faults.forge import forge_frame, start_test_front
-    from runtime.distributed import front
+    from runtime.distributed.frames import parse_frame
     from runtime.distributed.launch import free_ports
+    from runtime.distributed.rules import ConnLedger, UnfinishedBook, check_push
     out.mkdir(parents=True, exist_ok=True)
     proc, spec, backend, _ = start_test_front(
         out, free_ports(1)[0], max_message_bytes=max(value_bytes, 1 << 20),
@@ -213,11 +214,11 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "f
               "cpu_us_per_round_trip": round((after["cpu_s"] - before["cpu_s"]) / rounds * 1e6, 1),
               "wall_us_per_round_trip": round(wall / rounds * 1e6, 1)}
     if relay == "front.py":
-        book, conn = front.UnfinishedBook(spec.max_buffered_bytes, 2), front.ConnLedger()
+        book, conn = UnfinishedBook(spec.max_buffered_bytes, 2), ConnLedger()
 
         def check():
-            push = front.parse_frame(frames[1], spec.max_frame_bytes)
-            front.check_push(push, bound_rank=0, my_rank=1, link_id=b"test.3pc.run",
+            push = parse_frame(frames[1], spec.max_frame_bytes)
+            check_push(push, bound_rank=0, my_rank=1, link_id=b"test.3pc.run",
                              max_message_bytes=spec.max_message_bytes, book=book, conn=conn)
         result["checks_us_per_frame"] = round(
             min(timeit.repeat(check, number=2000, repeat=5)) / 2000 * 1e6, 1)
@@ -263,7 +264,8 @@ def main(argv: list[str]) -> int:
     out = args.output_dir.resolve()     # the runs start in each checkout's folder
     out.mkdir(parents=True, exist_ok=True)
     if args.relay:
-        from runtime.distributed.front import FAST_FRONT_NAME, build_fast_front
+        from experiments.faults.forge import build_fast_front
+        from runtime.distributed.fast_front import FAST_FRONT_NAME
         relays = [("front.py", None)]
         fast = out / FAST_FRONT_NAME
         why = build_fast_front(fast)
@@ -284,7 +286,7 @@ def main(argv: list[str]) -> int:
     base = baseline_checkout(args.against, out)
     arms = [("before", base, baseline_fast_front(base, out)), ("front", REPO, {})]
     if args.front_py:
-        from runtime.distributed.front import FAST_FRONT_ENV
+        from runtime.distributed.fast_front import FAST_FRONT_ENV
         arms.append(("front.py", REPO, {FAST_FRONT_ENV: "off"}))
     if args.floor:
         from runtime.distributed.party import FRONT_PROGRAM_ENV

@@ -279,7 +279,7 @@ def _outbound_from_another_process(front):
     socket for node:0 and writes a Push: refused before a byte is read, nothing leaves."""
     import subprocess
     import sys
-    from runtime.distributed.front import outbound_socket
+    from runtime.distributed.front_state import outbound_socket
     path = outbound_socket(front.spec.private_dir, "node:0")
     frame = forge_frame(1, b"test.3pc.run:P2P-1:1->0", seq=1)
     code = ("import socket, sys, time\n"

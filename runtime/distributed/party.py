@@ -40,10 +40,11 @@ import numpy as np
 
 from models import registry
 from models.model import Model
-from runtime.distributed.certs import identity_mismatch
+from runtime.distributed.certs import identity_mismatch, tls_context
 from runtime.distributed.bounds import FIELD_BYTES, SHARES_PER_PARTY, check_job_bounds
 from runtime.distributed.config import NodeConfig, NodeConfigError, is_loopback, node_tag
-from runtime.distributed import costs, job as job_lib, wire
+from runtime.distributed import costs, frames, job as job_lib, wire
+from runtime.distributed.rules import FORGED
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_PEER = 0, 1, 2, 3
 LINGER_S = 1.0
@@ -217,7 +218,7 @@ def check_own_port(config: NodeConfig, party_id: str) -> None:
 def hello_key(config: NodeConfig) -> bytes:
     """The key of the fronts' hello: SHA-256 of the node config's public identity (id, nodes
     in rank order, runtime config). Every party of the same config has it; a process that is
-    not one of this config's fronts cannot answer the hello (front.hello_answer)."""
+    not one of this config's fronts cannot answer the hello (frames.hello_answer)."""
     import hashlib
     public = {"id": config.id, "parties": [list(p) for p in config.parties],
               "runtime": config.mpc.runtime_json()}
@@ -261,9 +262,9 @@ def message_cap_bytes(config: NodeConfig, prompt_len: int | None = None) -> int:
 
 def front_spec(config: NodeConfig, party_id: str, events_path: pathlib.Path,
                private_dir: str = "", worker_pid: int = 0):
-    """This party's front.FrontSpec from the config (`private_dir`: where its Unix sockets
+    """This party's front_state.FrontSpec from the config (`private_dir`: where its Unix sockets
     go; `worker_pid`: the process its outbound sockets serve)."""
-    from runtime.distributed.front import FrontSpec
+    from runtime.distributed.front_state import FrontSpec
     host, _, port = config.address(party_id).rpartition(":")
     tls = config.link.tls
     cap = message_cap_bytes(config)
@@ -403,29 +404,16 @@ class Probe:
     detail: str = ""
 
 
-def _tls_context(config: NodeConfig, party_id: str):
-    import ssl
-    tls = config.link.tls
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False      # the identity rule is checked on the certificate instead
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.load_verify_locations(tls.ca)
-    mine = tls.certs[party_id]
-    ctx.load_cert_chain(mine.cert, mine.key)
-    return ctx
-
-
 def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) -> Probe:
     """Is `peer`'s link endpoint up, and is it `peer`'s front?
 
     Connects to the endpoint; under TLS completes a handshake with this party's own
     certificate and the config's CA and checks the peer's certificate by the identity rule
-    (config.identity_mismatch); then sends the fronts' hello (a fresh nonce) and checks the
-    answer is `peer`'s (front.check_hello_reply, keyed by the config's hash). Anything else
+    (certs.identity_mismatch); then sends the fronts' hello (a fresh nonce) and checks the
+    answer is `peer`'s (frames.check_hello_reply, keyed by the config's hash). Anything else
     that answers (a web server, another program, another config's party) is FOREIGN."""
     import socket
     import ssl
-    from runtime.distributed import front as front_mod
     host, _, port = config.address(peer).rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -437,21 +425,23 @@ def probe(config: NodeConfig, party_id: str, peer: str, timeout_s: float = 2.0) 
     try:
         if config.link.tls is not None:
             stage = "handshake"
-            sock = _tls_context(config, party_id).wrap_socket(sock)
+            tls = config.link.tls
+            sock = tls_context(tls.ca, tls.certs[party_id].cert,
+                               tls.certs[party_id].key).wrap_socket(sock)
             why = identity_mismatch(sock.getpeercert(), peer, host)
             if why:
                 return Probe(IMPOSTOR, why)
             stage = "first read"
-        nonce = os.urandom(front_mod.HELLO_NONCE_BYTES)
-        sock.sendall(front_mod.hello_request(nonce))
+        nonce = os.urandom(frames.HELLO_NONCE_BYTES)
+        sock.sendall(frames.hello_request(nonce))
         reply = b""
-        want = len(front_mod.HELLO_MAGIC) + 32
+        want = len(frames.HELLO_MAGIC) + 32
         while len(reply) < want:
             got = sock.recv(want - len(reply))
             if not got:
                 break
             reply += got
-        if front_mod.check_hello_reply(reply, hello_key(config), nonce, peer):
+        if frames.check_hello_reply(reply, hello_key(config), nonce, peer):
             return Probe(ALIVE)
         if not reply and stage == "first read":
             return _closed_after_handshake()
@@ -567,15 +557,12 @@ def anonymous_drops(events_path: pathlib.Path | None) -> list[dict]:
             and str(e.get("kind", "")).startswith("dropped")]
 
 
-FORGED_KIND = "dropped a forged message and closed the connection"   # front.FORGED
-
-
 def forged_messages(events_path: pathlib.Path | None) -> list[dict]:
     """The front's events of a message number that came twice under different keys (two
     senders claim one rank; yacl kept the first)."""
     if events_path is None:
         return []
-    return [e for e in front_events(events_path)[0] if e.get("kind") == FORGED_KIND]
+    return [e for e in front_events(events_path)[0] if e.get("kind") == FORGED]
 
 
 def forged_message(event: dict) -> str:
