@@ -62,7 +62,7 @@ print(json.dumps({"tokens": records[-1]["tokens"], "wall_s": [r["wall_s"] for r 
 def front_cpu_per_step(run_dir: pathlib.Path) -> list[float]:
     """Per party log, the median CPU seconds its front spent per decode step ([] without
     fronts)."""
-    from runtime.distributed.party import front_steps
+    from runtime.distributed.party_front import front_steps
     out = []
     for log in sorted(run_dir.glob("party_*.log")):
         cpu = [step["cpu_s"] for step in front_steps(log.read_text())
@@ -289,7 +289,7 @@ def main(argv: list[str]) -> int:
         from runtime.distributed.fast_front import FAST_FRONT_ENV
         arms.append(("front.py", REPO, {FAST_FRONT_ENV: "off"}))
     if args.floor:
-        from runtime.distributed.party import FRONT_PROGRAM_ENV
+        from runtime.distributed.party_front import FRONT_PROGRAM_ENV
         arms.insert(1, ("bare", REPO, {FRONT_PROGRAM_ENV: str(build_bare_relay(out))}))
     ratios: dict[str, list[float]] = {label: [] for label, _, _ in arms[1:]}
     with open(out / "front_cost.jsonl", "w") as results:

@@ -41,13 +41,14 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     who = FLAGS.party
     try:
-        from runtime.distributed.launch import Interrupted, bind_to_parent
+        from runtime.distributed.process import bind_to_parent
         bind_to_parent()   # started by a launcher or supervisor: never outlive it
+        from runtime.distributed.launch import Interrupted
         from runtime.distributed import (EXIT_CONFIG, EXIT_PEER, JobFailed, NodeConfigError,
                                          PartyFailure, load_node_config, run_loopback,
                                          run_party)
         from runtime.distributed.supervise import supervise
-        from runtime.distributed.party import AddressInUse
+        from runtime.distributed.party_front import AddressInUse
     except Exception as err:  # noqa: BLE001 - a broken install must still say why
         traceback.print_exc()
         print(f"[party {who}] error: cannot import the launcher: {err}", file=sys.stderr, flush=True)
@@ -81,7 +82,7 @@ def main(argv):
             raise NodeConfigError("--job overrides are for --party=all only: every party must "
                                   "read the same job, so edit the node config instead")
         if not FLAGS.worker:
-            from runtime.distributed.party import check_own_port
+            from runtime.distributed.party_front import check_own_port
             check_own_port(config, who)
             own = [f"--prompt_file={FLAGS.prompt_file}"] if FLAGS.prompt_file else []
             sys.exit(supervise(config, who, FLAGS.output_dir,
@@ -95,7 +96,7 @@ def main(argv):
         # that has already exited, and yacl ends the process (status 255) when that fails.
         sys.stdout.flush()
         sys.stderr.flush()
-        from runtime.distributed.party import exit_now
+        from runtime.distributed.process import exit_now
         exit_now(0)
     except NodeConfigError as err:
         print(f"[party {who}] error: bad node config: {err}", file=sys.stderr, flush=True)

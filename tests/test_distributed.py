@@ -26,7 +26,8 @@ from runtime.distributed import bounds
 from runtime.distributed import job as job_lib
 from runtime.distributed.compare import simulate
 from runtime.distributed.launch import free_ports, prepare_config, start_parties
-from runtime.distributed.party import front_steps, run_party, warn_if_insecure
+from runtime.distributed.party import run_party, warn_if_insecure
+from runtime.distributed.party_front import front_steps
 from runtime.distributed.supervise import supervise
 from experiments.faults.harness import node_config as loopback_node_config
 
@@ -1080,7 +1081,7 @@ def test_front_holds_a_peer_to_the_throttle_window_of_unread_messages():
 def test_message_cap_follows_its_formula():
     """cap = 1 MiB + b * max(largest weight, T*V, 4 * max(H*T*(T+N), T*F, V)); the announced
     prompt length replaces job.seq_len."""
-    from runtime.distributed.party import message_cap_bytes
+    from runtime.distributed.party_front import message_cap_bytes
     config = parse_node_config(node_config(3, "ABY3"))
     cfg = job_lib.build(config.job)[0].cfg
     largest = max(int(np.prod(leaf.shape)) for leaf in
@@ -1094,7 +1095,7 @@ def test_message_cap_follows_its_formula():
 
 def test_link_shape_profiles_reach_the_front(tmp_path):
     """link.shape "lan" / "wan" / explicit -> the front's one-way delay (s) and rate (B/s)."""
-    from runtime.distributed.party import front_spec
+    from runtime.distributed.party_front import front_spec
     for shape, delay_s, rate in (("lan", 0.0003, 377e6), ("wan", 0.08, 40e6),
                                  ({"delay_ms": 5}, 0.005, None), (None, 0.0, None)):
         config = parse_node_config(node_config(3, "ABY3", shape=shape))
@@ -1181,12 +1182,13 @@ def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkey
     bytes both ways; a TLS config refuses any stand-in (so do remote peers)."""
     import socket
     from experiments.front_cost import build_bare_relay
-    from runtime.distributed import party as party_lib
-    monkeypatch.setenv(party_lib.FRONT_PROGRAM_ENV, str(build_bare_relay(tmp_path)))
+    from runtime.distributed.blame import ALIVE, probe
+    from runtime.distributed.party_front import FRONT_PROGRAM_ENV, start_front
+    monkeypatch.setenv(FRONT_PROGRAM_ENV, str(build_bare_relay(tmp_path)))
     config = load_node_config(write(tmp_path, node_config(3, "ABY3")))
-    handle = party_lib.start_front(config, "node:1", tmp_path, forge.private_dir())
+    handle = start_front(config, "node:1", tmp_path, forge.private_dir())
     try:
-        assert party_lib.probe(config, "node:0", "node:1").state == party_lib.ALIVE
+        assert probe(config, "node:0", "node:1").state == ALIVE
         with socket.socket(socket.AF_UNIX) as brpc:
             brpc.bind(handle.backend)
             brpc.listen()
@@ -1212,7 +1214,7 @@ def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkey
     tls = load_node_config(write(tmp_path, node_config(2, "SEMI2K", tls=tls_section(
         ["node:0", "node:1"])), "tls.json"))
     with pytest.raises(RuntimeError, match="loopback benchmarks only; unset it for a TLS run"):
-        party_lib.start_front(tls, "node:1", tmp_path)
+        start_front(tls, "node:1", tmp_path)
 
 
 def test_the_front_process_loads_the_standard_library_only(tmp_path, monkeypatch):

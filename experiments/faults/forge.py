@@ -113,8 +113,8 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
     import threading
     from runtime.distributed.fast_front import FAST_FRONT_ENV
     from runtime.distributed.front_state import FrontSpec
-    from runtime.distributed import front as front_mod
-    from runtime.distributed.launch import child_env
+    from runtime.distributed.party_front import FRONT_SCRIPT
+    from runtime.distributed.process import child_env
     tls_spec = None
     if tls:
         make_certs(folder / "certs", ["node:0", "node:1", "node:2"])
@@ -133,7 +133,7 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
         max_unread_messages=12)     # a party's: SPU's throttle window of 10 + 2
     spec = dataclasses.replace(spec, **(spec_overrides or {}))
     pathlib.Path(spec.events_path).write_text("")
-    proc = subprocess.Popen([sys.executable, front_mod.__file__, spec.to_json()],
+    proc = subprocess.Popen([sys.executable, str(FRONT_SCRIPT), spec.to_json()],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=open(folder / "front.log", "w"),
                             env=child_env({FAST_FRONT_ENV: str(fast_front or "off")}))

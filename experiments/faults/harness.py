@@ -92,8 +92,8 @@ def start_party(config_path: pathlib.Path, party: str, out: pathlib.Path,
                 prelude: str | None = None) -> subprocess.Popen:
     """One party as `python -m experiments.party` (supervisor + worker), or with `prelude` its
     worker alone running the prelude first (patched code). Own session; output to
-    out/party_<tag>.log; dies with this process (launch.child_env)."""
-    from runtime.distributed.launch import child_env
+    out/party_<tag>.log; dies with this process (process.child_env)."""
+    from runtime.distributed.process import child_env
     args = [f"--node_config={config_path}", f"--party={party}", f"--output_dir={out}"]
     if prelude is None:
         cmd = [sys.executable, "-m", "experiments.party", *args]

@@ -68,6 +68,7 @@ from runtime.distributed.certs import (CertificateError, check_key_and_ca,
                                        check_own_certificate, check_validity, read_certificate)
 from runtime.distributed.options import (JobSpec, LinkOptions, NodeConfigError, PartyCerts,
                                          TLSConfig, is_int)
+from runtime.distributed.process import node_tag
 from runtime.mpc import config as mpc_config
 from runtime.mpc.config import MPCConfig
 
@@ -138,11 +139,6 @@ def _need(mapping: dict, key: str, where: str, kind=None):
 
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 LOOPBACK_NAMES = ("localhost",)
-
-
-def node_tag(party_id: str) -> str:
-    """The node id as it appears in file names (party_<tag>.log, spu_<tag>.log)."""
-    return party_id.replace(":", "_")
 
 
 def check_node_ids(ids) -> None:

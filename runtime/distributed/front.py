@@ -44,6 +44,7 @@ from runtime.distributed.frames import (BRPC_MAGIC, HEADER, HELLO_MAGIC,  # noqa
                                         HELLO_REQUEST_BYTES, hello_answer, parse_hello)
 from runtime.distributed.front_state import (Front, FrontSpec, check_private_dir,  # noqa: E402
                                              outbound_socket)
+from runtime.distributed.process import bind_to_parent  # noqa: E402
 from runtime.distributed.relay import HIGH_WATER_BYTES, Outbound, Relay  # noqa: E402
 from runtime.distributed.rules import ConnLedger, PeerLedger  # noqa: E402
 
@@ -363,21 +364,6 @@ async def serve(spec: FrontSpec, announce=print) -> None:
     del servers
 
 
-def _die_with_parent() -> None:
-    """Die (SIGKILL) with the party's worker that started this front (Linux prctl
-    PR_SET_PDEATHSIG; the front must never outlive its party and hold its port)."""
-    import os
-    import signal
-    parent = os.environ.pop("MPCACHE_DIE_WITH_PARENT", None)
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if parent and os.getppid() != int(parent):
-        os._exit(1)
-
-
 def _keep_freed_memory(max_frame_bytes: int) -> None:
     """Have glibc's malloc keep freed memory for reuse instead of returning it to the kernel
     after every frame: a relayed frame of up to `max_frame_bytes` is a fresh buffer, which
@@ -413,7 +399,7 @@ def exec_fast_front(spec: FrontSpec, binary: pathlib.Path, announce) -> None:
 
 
 def main(argv: list[str]) -> int:
-    _die_with_parent()
+    bind_to_parent(always=True)     # never outlive the party's worker, nor hold its port
     spec = FrontSpec.from_json(argv[1])
     announce = lambda line: print(line, flush=True)    # noqa: E731
     why = check_private_dir(spec)

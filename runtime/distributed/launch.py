@@ -12,8 +12,8 @@ failing party (from the parties' own diagnoses) and quotes each party's last mes
 No child outlives the launcher: every party's process group is killed when the call returns or
 raises, when the launcher gets SIGTERM, SIGINT or SIGHUP (`Interrupted`, no result), and —
 should the launcher itself be killed outright — each party's supervisor and worker die with
-their parent (Linux PR_SET_PDEATHSIG, set by `bind_to_parent` in the child) before it could
-report anything.
+their parent (Linux PR_SET_PDEATHSIG, set by `process.bind_to_parent` in the child) before it
+could report anything.
 """
 from __future__ import annotations
 
@@ -30,15 +30,15 @@ import threading
 import time
 
 from runtime.distributed.config import (NodeConfig, NodeConfigError, is_loopback,
-                                        load_node_config, node_tag, parse_node_config)
+                                        load_node_config, parse_node_config)
+from runtime.distributed.party_front import check_own_port
+from runtime.distributed.process import child_env, node_tag
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # After the first party fails, the others get peer_timeout_s + this long to notice and exit
 # (probes run once a second, each waits up to 2 s).
 GRACE_S = 10.0
 
-
-PARENT_ENV = "MPCACHE_DIE_WITH_PARENT"
 INTERRUPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -61,28 +61,6 @@ class Interrupted(JobFailed):
         name = signal.Signals(signum).name
         super().__init__(f"interrupted by {name}: every party was stopped; no result", None, {})
         self.signum = signum
-
-
-def child_env(env: dict | None = None) -> dict:
-    """The environment for a child that must not outlive this process (see bind_to_parent)."""
-    return {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
-
-
-def bind_to_parent() -> None:
-    """In a child started with child_env(): die (SIGKILL) when the parent dies, even if the
-    parent is killed outright, and leave at once if it is already gone. Linux only (prctl
-    PR_SET_PDEATHSIG); elsewhere a no-op."""
-    parent = os.environ.pop(PARENT_ENV, None)
-    if not parent:
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):
-        os._exit(1)   # the parent died before prctl took effect
 
 
 @contextlib.contextmanager
@@ -171,7 +149,7 @@ def start_parties(config: NodeConfig, config_path: pathlib.Path, output_dir: pat
                   procs: dict[str, subprocess.Popen] | None = None
                   ) -> dict[str, subprocess.Popen]:
     """Start one `experiments.party` process per party (own session, so it can be killed
-    with its children; bound to this process, see bind_to_parent); stdout+stderr go to
+    with its children; bound to this process, see process.bind_to_parent); stdout+stderr go to
     output_dir/party_<id>.log. `prompt_file` goes to the prompt owner only. Each process is
     added to `procs` (when given) as soon as it exists, so a caller's cleanup sees it even if
     a signal interrupts this call; if starting one fails, the ones already started are killed
@@ -275,7 +253,6 @@ def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike |
     """
     out = pathlib.Path(output_dir or tempfile.mkdtemp(prefix="mpcache_nodes_"))
     config, path = prepare_config(node_config, out, use_free_ports, **job_overrides)
-    from runtime.distributed.party import check_own_port
     for pid in config.party_ids:
         check_own_port(config, pid)       # AddressInUse before any party starts
     results = out / "results.jsonl"
