@@ -1,7 +1,7 @@
 /* The floor of a front: a relay that forwards a party's link traffic with no checks at all.
 
    Benchmarks only (`python -m experiments.front_cost OUT --floor`): it stands in for
-   runtime/distributed/front.py through MPCACHE_FRONT_PROGRAM, so that the cost of the relay
+   runtime/distributed/front.py (run_loopback's front_program), so that the cost of the relay
    hop itself (one more process, its socket calls and wake-ups) is measured apart from what the
    project's front does per frame. It must never serve a real run: it reads no frame header
    and enforces nothing.

@@ -1176,17 +1176,18 @@ def test_a_shaping_front_relays_every_frame_intact(tmp_path):
         backend.close()
 
 
-def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkeypatch):
+def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path):
     """experiments.front_cost --floor: the C relay with no checks, started by start_front in the
-    front's place, answers the fronts' hello (a peer's probe finds the party alive) and relays
-    bytes both ways; a TLS config refuses any stand-in (so do remote peers)."""
+    front's place (its `program`), answers the fronts' hello (a peer's probe finds the party
+    alive) and relays bytes both ways; a TLS config refuses any stand-in (so do remote
+    peers)."""
     import socket
     from experiments.front_cost import build_bare_relay
     from runtime.distributed.blame import ALIVE, probe
-    from runtime.distributed.party_front import FRONT_PROGRAM_ENV, start_front
-    monkeypatch.setenv(FRONT_PROGRAM_ENV, str(build_bare_relay(tmp_path)))
+    from runtime.distributed.party_front import start_front
+    bare = str(build_bare_relay(tmp_path))
     config = load_node_config(write(tmp_path, node_config(3, "ABY3")))
-    handle = start_front(config, "node:1", tmp_path, forge.private_dir())
+    handle = start_front(config, "node:1", tmp_path, forge.private_dir(), program=bare)
     try:
         assert probe(config, "node:0", "node:1").state == ALIVE
         with socket.socket(socket.AF_UNIX) as brpc:
@@ -1213,8 +1214,8 @@ def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkey
                     "127.0.0.1", "127.0.0.1"], check=True, capture_output=True)
     tls = load_node_config(write(tmp_path, node_config(2, "SEMI2K", tls=tls_section(
         ["node:0", "node:1"])), "tls.json"))
-    with pytest.raises(RuntimeError, match="loopback benchmarks only; unset it for a TLS run"):
-        start_front(tls, "node:1", tmp_path)
+    with pytest.raises(RuntimeError, match="loopback benchmarks only; leave it out for a TLS run"):
+        start_front(tls, "node:1", tmp_path, program=bare)
 
 
 def test_the_front_process_loads_the_standard_library_only(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """One party of a secure run: link up, compile, share, generate step by step, account.
 
-Every party runs `run_party(config, party_id)` (usually via `python -m experiments.party`).
+Every party runs `run_party(config, party_id)` (usually through its entry point, party_main).
 Sequence, identical on every host (lockstep):
   1. brpc link to every other party (mutual TLS when the config gives certificates), then
      every peer's identity is checked (its certificate must name its node id and host, see
@@ -156,10 +156,11 @@ def write_atomically(path: pathlib.Path, write) -> None:
 
 
 def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
-              prompt_file: str | None = None) -> dict | None:
+              prompt_file: str | None = None, front_program: str | None = None) -> dict | None:
     """Run this party's side of the job. Returns the summary record on the prompt owner (its
     per-step records go to `output_dir/results.jsonl`, tokens to `output_dir/outputs.npz`),
-    None elsewhere. Raises PartyFailure naming the peer when another party fails."""
+    None elsewhere. Raises PartyFailure naming the peer when another party fails.
+    `front_program`: benchmarks only (party_front.start_front's `program`)."""
     from runtime.distributed.node_backend import NodeBackend, ProgramMismatch
     from runtime.mpc.backends import CLIENT
     from runtime.mpc.secure import SecureSession
@@ -181,7 +182,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
     # brpc's and the front's Unix sockets: in the directory the supervisor made (it removes
     # it after this process), else in one of this process's own.
     private_dir = os.environ.pop(PRIVATE_DIR_ENV, None) or own_private_dir(party_id)
-    front = start_front(config, party_id, out, private_dir)
+    front = start_front(config, party_id, out, private_dir, program=front_program)
     # From the first second: TLS faults of any peer end this party at once; peers get
     # link.connect_timeout_s from begin_link() to come up (Watchdog).
     watchdog = Watchdog(config, party_id, events_path=front.events_path).start()
@@ -277,7 +278,7 @@ def run_party(config: NodeConfig, party_id: str, output_dir: str | os.PathLike,
         log(party_id, f"tokens {result.tokens}; {len(records)} records in {results}")
     # No stop_link: its shutdown messages race with peers that have already left, and a
     # failed send makes yacl end the process. Linger so in-flight acknowledgements complete,
-    # then the caller exits the process (experiments.party uses exit_now).
+    # then the caller exits the process (party_main uses exit_now).
     time.sleep(LINGER_S)
     return record
 

@@ -177,32 +177,26 @@ def front_events_path(output_dir, party_id: str) -> pathlib.Path:
     return pathlib.Path(output_dir) / f"front_{node_tag(party_id)}.jsonl"
 
 
-# Benchmarks only (`experiments.front_cost --floor`): a program started in the front's place,
-# with the same argument and start-up line (experiments/bare_relay.c: a relay with no checks);
-# refused under TLS and with remote peers (it has no outbound side).
-FRONT_PROGRAM_ENV = "MPCACHE_FRONT_PROGRAM"
-
-
-def start_front(config: NodeConfig, party_id: str, output_dir,
-                private_dir: str | None = None) -> FrontHandle:
+def start_front(config: NodeConfig, party_id: str, output_dir, private_dir: str | None = None,
+                program: str | None = None) -> FrontHandle:
     """Start this party's front (a child process that dies with this one) and wait until it
     listens -> FrontHandle. `private_dir`: the party's private directory (a new one if None;
-    see make_private_dir). Raises AddressInUse when the public port is taken."""
+    see make_private_dir). `program`: benchmarks only, a program started in the front's place
+    with the same argument and start-up line (the fronts' cost benchmark's floor: a relay with
+    no checks); refused under TLS and with remote peers (it has no outbound side). Raises
+    AddressInUse when the public port is taken."""
     events = front_events_path(output_dir, party_id)
     events.write_text("")
     spec = front_spec(config, party_id, events, private_dir or make_private_dir(party_id),
                       os.getpid())
-    program = [sys.executable, str(FRONT_SCRIPT)]
-    stand_in = os.environ.get(FRONT_PROGRAM_ENV)
-    if stand_in:
-        if spec.tls is not None or spec.relay_outbound:
-            raise RuntimeError(f"{FRONT_PROGRAM_ENV} is set: a stand-in front is for plain-TCP "
-                               "loopback benchmarks only; unset it for a TLS run or remote "
-                               "peers")
-        print(f"[party {party_id}] front: {FRONT_PROGRAM_ENV}={stand_in} replaces the front "
+    if program and (spec.tls is not None or spec.relay_outbound):
+        raise RuntimeError("front_program is given: a stand-in front is for plain-TCP loopback "
+                           "benchmarks only; leave it out for a TLS run or remote peers")
+    if program:
+        print(f"[party {party_id}] front: front_program={program} replaces the front "
               "(benchmarks only: no frame is checked)", file=sys.stderr, flush=True)
-        program = [stand_in]
-    proc = subprocess.Popen(program + [spec.to_json()],
+    command = [program] if program else [sys.executable, str(FRONT_SCRIPT)]
+    proc = subprocess.Popen(command + [spec.to_json()],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env())
     line = proc.stdout.readline().decode(errors="replace").strip()
     try:
