@@ -1,13 +1,13 @@
 /* The floor of a front: a relay that forwards a party's link traffic with no checks at all.
 
    Benchmarks only (`python -m experiments.front_cost OUT --floor`): it stands in for
-   runtime/distributed/front.py through MPCACHE_FRONT_PROGRAM, so that the cost of the relay
+   runtime/distributed/front.py (run_loopback's front_program), so that the cost of the relay
    hop itself (one more process, its socket calls and wake-ups) is measured apart from what the
    project's front does per frame. It must never serve a real run: it reads no frame header
    and enforces nothing.
 
    What it shares with the front: the command line (one argument, the FrontSpec JSON of
-   front.py, of which it reads listen_host, listen_port, party, hello_key and private_dir),
+   front_state.py, of which it reads listen_host, listen_port, party, hello_key and private_dir),
    brpc's Unix socket in the party's private directory (private_dir/brpc.sock), the start-up
    line ({"ready": true, "backend": PATH, "outbound": {}}), the answer to the fronts' hello
    (HMAC-SHA256 keyed by hello_key, so that the parties' liveness probes pass), and the
@@ -34,7 +34,7 @@
 #include <unistd.h>
 
 #define CHUNK (1 << 20)
-#define HELLO_BYTES 41 /* "MPCH " + 32 hex digits + "\r\n\r\n" (front.hello_request) */
+#define HELLO_BYTES 41 /* "MPCH " + 32 hex digits + "\r\n\r\n" (frames.hello_request) */
 
 typedef struct Side {
     int fd;
@@ -87,7 +87,7 @@ static int hex_byte(const char *p) {
     return sscanf(p, "%2x", &v) == 1 ? (int)v : -1;
 }
 
-/* Answer a hello on `s` (front.hello_answer) and close; 0 if more bytes are needed. */
+/* Answer a hello on `s` (frames.hello_answer) and close; 0 if more bytes are needed. */
 static int answer_hello(Side *s) {
     char request[HELLO_BYTES];
     ssize_t n = recv(s->fd, request, sizeof request, MSG_PEEK);
@@ -201,7 +201,7 @@ int main(int argc, char **argv) {
     }
     freeaddrinfo(ai);
     set_options(listener);
-    /* brpc's socket in the party's private directory (front.FrontSpec.backend_path). */
+    /* brpc's socket in the party's private directory (front_state.FrontSpec.backend_path). */
     snprintf(backend.sun_path, sizeof backend.sun_path, "%s/brpc.sock", private_dir);
     printf("{\"ready\": true, \"backend\": \"%s\", \"outbound\": {}}\n", backend.sun_path);
     fflush(stdout);

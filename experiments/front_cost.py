@@ -14,7 +14,8 @@ is checked out as a worktree under OUTPUT_DIR and run with this venv's interpret
 --job: overrides of the job, e.g. '{"model": "llama2-d1024", "seq_len": 1024,
 "max_new_tokens": 4, "prefill": "clear", "timeout_s": 1800}'. --floor: a third run in each
 pair, every front replaced by experiments/bare_relay.c (a relay in C that forwards bytes and
-checks nothing): what the relay hop costs by itself, the floor of any front in its own process.
+checks nothing; run_loopback's `front_program`): what the relay hop costs by itself, the floor
+of any front in its own process.
 --front_py: one more run per pair with front.py serving every party (by default plain-TCP
 runs get the front in C, runtime/distributed/fast_front.c, where scripts/setup.sh built it).
 --relay: no parties; one front's CPU and wall per relayed request + reply at three frame sizes,
@@ -51,7 +52,9 @@ try:
     from runtime.distributed.launch import run_loopback
 except ImportError:
     from mpcache_jax.distributed.launch import run_loopback
-records = run_loopback(sys.argv[1], sys.argv[2])
+# A third argument (this checkout only): the program every party starts in its front's place.
+extra = {"front_program": sys.argv[3]} if len(sys.argv) > 3 else {}
+records = run_loopback(sys.argv[1], sys.argv[2], **extra)
 steps = [r for r in records if r.get("phase") == "decode"]
 print(json.dumps({"tokens": records[-1]["tokens"], "wall_s": [r["wall_s"] for r in steps],
                   "comm_bytes": [r["comm_bytes"] for r in steps],
@@ -62,7 +65,7 @@ print(json.dumps({"tokens": records[-1]["tokens"], "wall_s": [r["wall_s"] for r 
 def front_cpu_per_step(run_dir: pathlib.Path) -> list[float]:
     """Per party log, the median CPU seconds its front spent per decode step ([] without
     fronts)."""
-    from runtime.distributed.party import front_steps
+    from runtime.distributed.party_front import front_steps
     out = []
     for log in sorted(run_dir.glob("party_*.log")):
         cpu = [step["cpu_s"] for step in front_steps(log.read_text())
@@ -73,9 +76,10 @@ def front_cpu_per_step(run_dir: pathlib.Path) -> list[float]:
 
 
 def run_once(checkout: pathlib.Path, out: pathlib.Path, job: dict, shape,
-             env: dict | None = None) -> dict:
+             env: dict | None = None, front_program: pathlib.Path | None = None) -> dict:
     """One loopback run of `job` with the launcher of `checkout` (and `env` added to its
-    environment) -> its record."""
+    environment; `front_program` in every front's place: run_loopback's hook, this checkout
+    only) -> its record."""
     from experiments.faults import harness
     from runtime.distributed.launch import free_ports
     out.mkdir(parents=True, exist_ok=True)
@@ -83,7 +87,8 @@ def run_once(checkout: pathlib.Path, out: pathlib.Path, job: dict, shape,
                               **({"shape": shape} if shape is not None else {}))
     nodes = out / "nodes.json"
     nodes.write_text(json.dumps(raw))
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(nodes), str(out / "run")],
+    program = [str(front_program)] if front_program else []
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(nodes), str(out / "run"), *program],
                           cwd=checkout, capture_output=True, text=True,
                           env={**_env(), **(env or {}), "PYTHONPATH": str(checkout)})
     if proc.returncode != 0:
@@ -157,8 +162,9 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "f
     import threading
     import timeit
     from experiments.faults.forge import forge_frame, start_test_front
-    from runtime.distributed import front
+    from runtime.distributed.frames import parse_frame
     from runtime.distributed.launch import free_ports
+    from runtime.distributed.rules import ConnLedger, UnfinishedBook, check_push
     out.mkdir(parents=True, exist_ok=True)
     proc, spec, backend, _ = start_test_front(
         out, free_ports(1)[0], max_message_bytes=max(value_bytes, 1 << 20),
@@ -213,11 +219,11 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "f
               "cpu_us_per_round_trip": round((after["cpu_s"] - before["cpu_s"]) / rounds * 1e6, 1),
               "wall_us_per_round_trip": round(wall / rounds * 1e6, 1)}
     if relay == "front.py":
-        book, conn = front.UnfinishedBook(spec.max_buffered_bytes, 2), front.ConnLedger()
+        book, conn = UnfinishedBook(spec.max_buffered_bytes, 2), ConnLedger()
 
         def check():
-            push = front.parse_frame(frames[1], spec.max_frame_bytes)
-            front.check_push(push, bound_rank=0, my_rank=1, link_id=b"test.3pc.run",
+            push = parse_frame(frames[1], spec.max_frame_bytes)
+            check_push(push, bound_rank=0, my_rank=1, link_id=b"test.3pc.run",
                              max_message_bytes=spec.max_message_bytes, book=book, conn=conn)
         result["checks_us_per_frame"] = round(
             min(timeit.repeat(check, number=2000, repeat=5)) / 2000 * 1e6, 1)
@@ -263,7 +269,8 @@ def main(argv: list[str]) -> int:
     out = args.output_dir.resolve()     # the runs start in each checkout's folder
     out.mkdir(parents=True, exist_ok=True)
     if args.relay:
-        from runtime.distributed.front import FAST_FRONT_NAME, build_fast_front
+        from experiments.faults.forge import build_fast_front
+        from runtime.distributed.fast_front import FAST_FRONT_NAME
         relays = [("front.py", None)]
         fast = out / FAST_FRONT_NAME
         why = build_fast_front(fast)
@@ -282,19 +289,19 @@ def main(argv: list[str]) -> int:
         print(json.dumps(run_once(REPO, out / "front_0", job, shape)))
         return 0
     base = baseline_checkout(args.against, out)
-    arms = [("before", base, baseline_fast_front(base, out)), ("front", REPO, {})]
+    # (label, checkout, environment, program in every front's place)
+    arms = [("before", base, baseline_fast_front(base, out), None), ("front", REPO, {}, None)]
     if args.front_py:
-        from runtime.distributed.front import FAST_FRONT_ENV
-        arms.append(("front.py", REPO, {FAST_FRONT_ENV: "off"}))
+        from runtime.distributed.fast_front import FAST_FRONT_ENV
+        arms.append(("front.py", REPO, {FAST_FRONT_ENV: "off"}, None))
     if args.floor:
-        from runtime.distributed.party import FRONT_PROGRAM_ENV
-        arms.insert(1, ("bare", REPO, {FRONT_PROGRAM_ENV: str(build_bare_relay(out))}))
-    ratios: dict[str, list[float]] = {label: [] for label, _, _ in arms[1:]}
+        arms.insert(1, ("bare", REPO, {}, build_bare_relay(out)))
+    ratios: dict[str, list[float]] = {label: [] for label, *_ in arms[1:]}
     with open(out / "front_cost.jsonl", "w") as results:
         for i in range(args.pairs):
             pair = {}
-            for label, checkout, env in arms:
-                record = run_once(checkout, out / f"{label}_{i}", job, shape, env)
+            for label, checkout, env, program in arms:
+                record = run_once(checkout, out / f"{label}_{i}", job, shape, env, program)
                 pair[label] = record
                 results.write(json.dumps({"pair": i, "run": label, **record}) + "\n")
                 results.flush()

@@ -221,7 +221,7 @@ def run(FLAGS) -> None:
     """Check every job, then run each with every party as a local process; records append
     to OUTPUT_DIR/results.jsonl (a new temporary directory without --output_dir)."""
     from runtime.distributed.launch import Interrupted, JobFailed, run_loopback
-    from runtime.distributed.party import AddressInUse
+    from runtime.distributed.party_front import AddressInUse
     plan = plan_jobs(FLAGS)
     print(describe(plan, FLAGS.node_config), flush=True)
     out = pathlib.Path(FLAGS.output_dir or tempfile.mkdtemp(prefix="mpcache_nodes_"))

@@ -32,7 +32,7 @@ fi
 
 # The parties' front door in C for plain-TCP runs (needs cc and OpenSSL's headers; without them
 # every party runs the Python front: same checks, more CPU per frame).
-.venv/bin/python runtime/distributed/front.py --build-fast-front
+.venv/bin/python scripts/build_fast_front.py
 
 echo "setup: fetching the default model (SmolLM2-135M-Instruct) if not cached"
 .venv/bin/python -c "from models import smollm2; print('setup: model at', smollm2.fetch_gguf())"

@@ -22,11 +22,12 @@ import pytest
 from experiments.faults import cases, forge, harness, kinds
 from runtime.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_config,
                                  parse_node_config, run_loopback)
-from runtime.distributed import config as config_lib
+from runtime.distributed import bounds
 from runtime.distributed import job as job_lib
 from runtime.distributed.compare import simulate
 from runtime.distributed.launch import free_ports, prepare_config, start_parties
-from runtime.distributed.party import front_steps, run_party, warn_if_insecure
+from runtime.distributed.party import run_party, warn_if_insecure
+from runtime.distributed.party_front import front_steps
 from runtime.distributed.supervise import supervise
 from experiments.faults.harness import node_config as loopback_node_config
 
@@ -376,9 +377,9 @@ def test_memory_estimate_follows_its_formula():
     want = (2**30 + 16 * (params + 2 * T * cfg.vocab_size
                           + 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (T + N)
                           + 4 * max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)))
-    assert config_lib.estimate_party_memory(job, config.mpc)[0] == want
+    assert bounds.estimate_party_memory(job, config.mpc)[0] == want
     semi = parse_node_config(node_config(2, "SEMI2K"))
-    assert config_lib.estimate_party_memory(job, semi.mpc)[0] - 2**30 == (want - 2**30) // 2
+    assert bounds.estimate_party_memory(job, semi.mpc)[0] - 2**30 == (want - 2**30) // 2
 
 
 def test_clear_prefill_memory_estimate_drops_the_secure_prefill():
@@ -398,13 +399,13 @@ def test_clear_prefill_memory_estimate_drops_the_secure_prefill():
                                                    cfg.intermediate_size))
             + 4 * (params + T * cfg.vocab_size
                    + 4 * max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)))
-    assert config_lib.estimate_party_memory(job, config.mpc)[0] == want
+    assert bounds.estimate_party_memory(job, config.mpc)[0] == want
     secure = parse_node_config(node_config(3, "ABY3"))
-    assert want < config_lib.estimate_party_memory(secure.job, secure.mpc)[0]
+    assert want < bounds.estimate_party_memory(secure.job, secure.mpc)[0]
     for prefill, fits in (("secure", False), ("clear", True)):
         big = JobSpec(model="llama2-d1024", num_layers=2, policy="full", seq_len=2048,
                       max_new_tokens=4, prefill=prefill)
-        need = config_lib.estimate_party_memory(big, config.mpc)[0]
+        need = bounds.estimate_party_memory(big, config.mpc)[0]
         assert (need < 0.8 * 24 * 2**30 / 3) == fits, (prefill, need / 2**30)
 
 
@@ -699,9 +700,9 @@ FRONT_CASES = {case.name: case for case in cases.front_cases()}
 @pytest.fixture(scope="session")
 def fast_front(tmp_path_factory):
     """runtime/distributed/fast_front.c built once for the session."""
-    from runtime.distributed.front import FAST_FRONT_NAME, build_fast_front
+    from runtime.distributed.fast_front import FAST_FRONT_NAME
     binary = tmp_path_factory.mktemp("fast_front") / FAST_FRONT_NAME
-    why = build_fast_front(binary)
+    why = forge.build_fast_front(binary)
     if why:
         pytest.skip(f"cannot build the front in C here ({why}); front.py serves every party")
     return binary
@@ -778,33 +779,33 @@ def test_no_side_door_no_starving_flood_and_forgeries_named(tmp_path, name):
 def test_front_parses_the_frames_spu_sends():
     """A Push as SPU 0.9.5 frames it (a chunk of a 3 MB message, read off the wire) parses to
     its rank, key, chunk length and offset; a header alone waits for the body."""
-    from runtime.distributed import front
+    from runtime.distributed import frames, rules
     frame = forge.forge_frame(2, b"l.run:P2P-7:2->0", b"z" * 100, message_length=3000, chunk_offset=200)
-    push = front.parse_frame(bytearray(frame + b"PRPC"), 1 << 20)
+    push = frames.parse_frame(bytearray(frame + b"PRPC"), 1 << 20)
     assert (push.sender_rank, push.key, push.chunk_bytes, push.message_length,
             push.chunk_offset, push.frame_bytes) == (2, b"l.run:P2P-7:2->0", 100, 3000, 200,
                                                      len(frame))
-    assert front.parse_frame(bytearray(frame[:20]), 1 << 20) is None
-    book, conn = front.UnfinishedBook(5000, 2), front.ConnLedger()
-    rules = dict(bound_rank=2, my_rank=0, link_id=b"l.run", max_message_bytes=4000, book=book,
+    assert frames.parse_frame(bytearray(frame[:20]), 1 << 20) is None
+    book, conn = rules.UnfinishedBook(5000, 2), rules.ConnLedger()
+    given = dict(bound_rank=2, my_rank=0, link_id=b"l.run", max_message_bytes=4000, book=book,
                  conn=conn)
-    front.check_push(push, **rules)
+    rules.check_push(push, **given)
     assert (conn.count, conn.bytes, book.total_bytes) == (1, 3000, 3000)
-    with pytest.raises(front.FrameError, match="unfinished messages of 6,000 bytes in flight "
+    with pytest.raises(frames.FrameError, match="unfinished messages of 6,000 bytes in flight "
                                                "on this connection"):
-        front.check_push(front.parse_frame(bytearray(forge.forge_frame(
-            2, b"l.run:P2P-8:2->0", b"z", message_length=3000)), 1 << 20), **rules)
-    with pytest.raises(front.FrameError, match="restating its message's length"):
-        front.check_push(front.parse_frame(bytearray(forge.forge_frame(
-            2, b"l.run:P2P-7:2->0", b"z", message_length=2999)), 1 << 20), **rules)
-    with pytest.raises(front.FrameError, match=r"\(2->1\) on a connection from rank 2 to this "
+        rules.check_push(frames.parse_frame(bytearray(forge.forge_frame(
+            2, b"l.run:P2P-8:2->0", b"z", message_length=3000)), 1 << 20), **given)
+    with pytest.raises(frames.FrameError, match="restating its message's length"):
+        rules.check_push(frames.parse_frame(bytearray(forge.forge_frame(
+            2, b"l.run:P2P-7:2->0", b"z", message_length=2999)), 1 << 20), **given)
+    with pytest.raises(frames.FrameError, match=r"\(2->1\) on a connection from rank 2 to this "
                                                r"party \(rank 0\)"):
-        front.check_push(front.parse_frame(bytearray(forge.forge_frame(
-            2, b"l.run:P2P-9:2->1")), 1 << 20), **rules)
-    with pytest.raises(front.FrameError, match="another service"):
-        front.parse_frame(bytearray(forge.forge_frame(2, b"k", service=b"evil.Service")), 1 << 20)
-    with pytest.raises(front.FrameError, match="not a brpc frame"):
-        front.parse_frame(bytearray(b"\x80\x04\x95pickle..."), 1 << 20)
+        rules.check_push(frames.parse_frame(bytearray(forge.forge_frame(
+            2, b"l.run:P2P-9:2->1")), 1 << 20), **given)
+    with pytest.raises(frames.FrameError, match="another service"):
+        frames.parse_frame(bytearray(forge.forge_frame(2, b"k", service=b"evil.Service")), 1 << 20)
+    with pytest.raises(frames.FrameError, match="not a brpc frame"):
+        frames.parse_frame(bytearray(b"\x80\x04\x95pickle..."), 1 << 20)
 
 
 def test_front_reads_frames_as_protobuf_and_yacl_would():
@@ -812,39 +813,39 @@ def test_front_reads_frames_as_protobuf_and_yacl_would():
     twice (protobuf merges messages), a varint over 64 bits, a meta shorter than the Push
     request it starts like; a peer may not hold more than MAX_UNFINISHED_MESSAGES chunked
     messages unfinished however small; a hello nonce must be 32 hex digits."""
-    from runtime.distributed import front
+    from runtime.distributed import frames, rules
     pf, key = forge.pb_field, b"l.run:P2P-1:0->1"
 
     def parse(frame):
-        return front.parse_frame(bytearray(frame), 1 << 20)
-    with pytest.raises(front.FrameError, match="field 5 appears twice"):
+        return frames.parse_frame(bytearray(frame), 1 << 20)
+    with pytest.raises(frames.FrameError, match="field 5 appears twice"):
         parse(forge.forge_frame(0, key, b"", message_length=8, push_extra=pf(5, pf(2, 0))))
-    with pytest.raises(front.FrameError, match="field 1 appears twice"):
+    with pytest.raises(frames.FrameError, match="field 1 appears twice"):
         parse(forge.forge_frame(0, key, push_extra=pf(1, 0)))
     assert parse(forge.forge_frame(0, key, push_extra=pf(16, 1) + pf(16, 2))).key == key
     over = b"\x08" + b"\xff" * 9 + b"\x03"      # field 1 = a 66-bit varint
-    with pytest.raises(front.FrameError, match="over 64 bits"):
+    with pytest.raises(frames.FrameError, match="over 64 bits"):
         parse(forge.forge_frame(0, key, push_extra=over))
     # A meta of 3 bytes that starts like the Push request: read within its 3 bytes (as brpc
     # reads it), not as the request the bytes after it spell.
     full = forge.forge_frame(0, key)
-    with pytest.raises(front.FrameError, match="field 1 declares 48 bytes, 1 remain"):
+    with pytest.raises(frames.FrameError, match="field 1 declares 48 bytes, 1 remain"):
         parse(full[:8] + struct.pack(">I", 3) + full[12:])
-    book, conn = front.UnfinishedBook(1 << 20, 2), front.ConnLedger()
-    rules = dict(bound_rank=0, my_rank=1, link_id=b"l.run", max_message_bytes=1 << 20,
+    book, conn = rules.UnfinishedBook(1 << 20, 2), rules.ConnLedger()
+    given = dict(bound_rank=0, my_rank=1, link_id=b"l.run", max_message_bytes=1 << 20,
                  book=book, conn=conn)
-    for i in range(front.MAX_UNFINISHED_MESSAGES):
-        front.check_push(parse(forge.forge_frame(0, b"l.run:P2P-%d:0->1" % i, b"",
-                                                 message_length=1)), **rules)
-    with pytest.raises(front.FrameError, match="65 unfinished chunked messages in flight on "
+    for i in range(rules.MAX_UNFINISHED_MESSAGES):
+        rules.check_push(parse(forge.forge_frame(0, b"l.run:P2P-%d:0->1" % i, b"",
+                                                 message_length=1)), **given)
+    with pytest.raises(frames.FrameError, match="65 unfinished chunked messages in flight on "
                                                "this connection, over the per-connection cap "
                                                "of 64"):
-        front.check_push(parse(forge.forge_frame(0, b"l.run:P2P-99:0->1", b"",
-                                                 message_length=1)), **rules)
+        rules.check_push(parse(forge.forge_frame(0, b"l.run:P2P-99:0->1", b"",
+                                                 message_length=1)), **given)
     nonce = bytes(range(16))
-    assert front.parse_hello(front.hello_request(nonce)) == nonce
-    spaced = front.hello_request(nonce).replace(nonce.hex()[:2].encode(), b" 0", 1)
-    assert len(spaced) == front.HELLO_REQUEST_BYTES and front.parse_hello(spaced) is None
+    assert frames.parse_hello(frames.hello_request(nonce)) == nonce
+    spaced = frames.hello_request(nonce).replace(nonce.hex()[:2].encode(), b" 0", 1)
+    assert len(spaced) == frames.HELLO_REQUEST_BYTES and frames.parse_hello(spaced) is None
 
 
 def _mutated_frame_cases(rng, count: int) -> list[bytes]:
@@ -962,14 +963,14 @@ def _ledger_streams() -> dict[str, list[bytes]]:
 def _py_verdicts(spec, cases: list[bytes]) -> list[str]:
     """front.py's verdicts on `cases`, each the bytes of a new connection that then closes."""
     import types
-    from runtime.distributed import front
-    reference = front.Front(spec)
+    from runtime.distributed import front_state, rules
+    reference = front_state.Front(spec)
     out = []
     for i, data in enumerate(cases):
         conn = types.SimpleNamespace(node=None, ledger=None,
-                                     unfinished=front.ConnLedger(f"case {i}"))
+                                     unfinished=rules.ConnLedger(f"case {i}"))
         at, err = reference.check_frames(conn, memoryview(data))
-        tag = ("(forged) " if err.kind == front.FORGED else "(anonymous) " if err.anonymous
+        tag = ("(forged) " if err.kind == rules.FORGED else "(anonymous) " if err.anonymous
                else "") if err else ""
         out.append(f"{at} error: {tag}{err}" if err else f"{at} waits")
         reference.book.close(conn.unfinished)
@@ -984,8 +985,9 @@ def test_the_front_in_c_gives_front_py_verdicts(fast_front, tmp_path):
     each cap; the same again from a build with AddressSanitizer and UndefinedBehaviorSanitizer,
     where cc has them, which must not report anything."""
     import random
-    from runtime.distributed import front
-    spec = front.FrontSpec(
+    from runtime.distributed import front_state
+    from runtime.distributed.fast_front import FAST_FRONT_SOURCE, fast_front_args
+    spec = front_state.FrontSpec(
         party="node:1", rank=1, listen_host="127.0.0.1", listen_port=1, link_id="test.3pc.run",
         peers={"node:2": {"rank": 2}, "node:0": {"rank": 0}}, hello_key="00" * 32,
         max_frame_bytes=(1 << 20) + (64 << 10), max_message_bytes=4096,
@@ -994,13 +996,13 @@ def test_the_front_in_c_gives_front_py_verdicts(fast_front, tmp_path):
     sanitized = tmp_path / "fast_front_sanitized"
     built = subprocess.run(["cc", "-O1", "-g", "-fsanitize=address,undefined",
                             "-fno-sanitize-recover=all", "-pthread", "-o", str(sanitized),
-                            str(front.FAST_FRONT_SOURCE), "-lcrypto"], capture_output=True)
+                            str(FAST_FRONT_SOURCE), "-lcrypto"], capture_output=True)
     verdicts = {}
     for name, cases_ in streams.items():
         want = verdicts[name] = _py_verdicts(spec, cases_)
         stream = b"".join(struct.pack(">I", len(d)) + d for d in cases_)
         for binary in [fast_front] + ([sanitized] if built.returncode == 0 else []):
-            done = subprocess.run([str(binary), "--check"] + front.fast_front_args(spec),
+            done = subprocess.run([str(binary), "--check"] + fast_front_args(spec),
                                   input=stream, capture_output=True, timeout=300)
             assert done.returncode == 0 and not done.stderr, (binary, done.stderr[-2000:])
             got = done.stdout.decode().splitlines()
@@ -1042,26 +1044,26 @@ def test_front_holds_a_peer_to_the_throttle_window_of_unread_messages():
     """Complete messages of a peer count as unread until this party's own outgoing ACK names
     their sequence number (read off its brpc frames by the outbound side); one more than the
     window is refused; a retried delivery of a read message does not count again."""
-    from runtime.distributed import front
-    ledger = front.PeerLedger()
-    rules = dict(bound_rank=0, my_rank=1, link_id=b"l.run", max_message_bytes=1 << 20,
-                 book=front.UnfinishedBook(2 << 20, 2), conn=front.ConnLedger(), peer=ledger,
+    from runtime.distributed import frames, rules
+    ledger = rules.PeerLedger()
+    given = dict(bound_rank=0, my_rank=1, link_id=b"l.run", max_message_bytes=1 << 20,
+                 book=rules.UnfinishedBook(2 << 20, 2), conn=rules.ConnLedger(), peer=ledger,
                  max_unread=3)
 
     def deliver(seq, **chunk):
         frame = forge.forge_frame(0, f"l.run:P2P-{seq}:0->1".encode(), b"v" * 10, seq=seq,
                                   **chunk)
-        front.check_push(front.parse_frame(bytearray(frame), 1 << 20), **rules)
+        rules.check_push(frames.parse_frame(bytearray(frame), 1 << 20), **given)
 
     def acknowledge(*seqs):
-        frames = b"".join(forge.forge_frame(1, b"ACK", str(s).encode()) for s in seqs)
-        assert front.note_acknowledgements(bytearray(frames + b"PRPC"), 0, 1 << 20,
-                                           ledger) == len(frames)
+        acks = b"".join(forge.forge_frame(1, b"ACK", str(s).encode()) for s in seqs)
+        assert rules.note_acknowledgements(bytearray(acks + b"PRPC"), 0, 1 << 20,
+                                           ledger) == len(acks)
 
     for seq in (1, 2, 3):
         deliver(seq)
     assert sorted(ledger.unread) == [1, 2, 3]
-    with pytest.raises(front.FrameError, match="4 messages .40 bytes. that this party has not "
+    with pytest.raises(frames.FrameError, match="4 messages .40 bytes. that this party has not "
                                                "read, over the 3"):
         deliver(4)
     acknowledge(1, 3, 4)
@@ -1079,7 +1081,7 @@ def test_front_holds_a_peer_to_the_throttle_window_of_unread_messages():
 def test_message_cap_follows_its_formula():
     """cap = 1 MiB + b * max(largest weight, T*V, 4 * max(H*T*(T+N), T*F, V)); the announced
     prompt length replaces job.seq_len."""
-    from runtime.distributed.party import message_cap_bytes
+    from runtime.distributed.party_front import message_cap_bytes
     config = parse_node_config(node_config(3, "ABY3"))
     cfg = job_lib.build(config.job)[0].cfg
     largest = max(int(np.prod(leaf.shape)) for leaf in
@@ -1093,7 +1095,7 @@ def test_message_cap_follows_its_formula():
 
 def test_link_shape_profiles_reach_the_front(tmp_path):
     """link.shape "lan" / "wan" / explicit -> the front's one-way delay (s) and rate (B/s)."""
-    from runtime.distributed.party import front_spec
+    from runtime.distributed.party_front import front_spec
     for shape, delay_s, rate in (("lan", 0.0003, 377e6), ("wan", 0.08, 40e6),
                                  ({"delay_ms": 5}, 0.005, None), (None, 0.0, None)):
         config = parse_node_config(node_config(3, "ABY3", shape=shape))
@@ -1174,18 +1176,20 @@ def test_a_shaping_front_relays_every_frame_intact(tmp_path):
         backend.close()
 
 
-def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkeypatch):
+def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path):
     """experiments.front_cost --floor: the C relay with no checks, started by start_front in the
-    front's place, answers the fronts' hello (a peer's probe finds the party alive) and relays
-    bytes both ways; a TLS config refuses any stand-in (so do remote peers)."""
+    front's place (its `program`), answers the fronts' hello (a peer's probe finds the party
+    alive) and relays bytes both ways; a TLS config refuses any stand-in (so do remote
+    peers)."""
     import socket
     from experiments.front_cost import build_bare_relay
-    from runtime.distributed import party as party_lib
-    monkeypatch.setenv(party_lib.FRONT_PROGRAM_ENV, str(build_bare_relay(tmp_path)))
+    from runtime.distributed.blame import ALIVE, probe
+    from runtime.distributed.party_front import start_front
+    bare = str(build_bare_relay(tmp_path))
     config = load_node_config(write(tmp_path, node_config(3, "ABY3")))
-    handle = party_lib.start_front(config, "node:1", tmp_path, forge.private_dir())
+    handle = start_front(config, "node:1", tmp_path, forge.private_dir(), program=bare)
     try:
-        assert party_lib.probe(config, "node:0", "node:1").state == party_lib.ALIVE
+        assert probe(config, "node:0", "node:1").state == ALIVE
         with socket.socket(socket.AF_UNIX) as brpc:
             brpc.bind(handle.backend)
             brpc.listen()
@@ -1210,8 +1214,8 @@ def test_the_bare_relay_stands_in_for_a_front_in_plain_tcp_only(tmp_path, monkey
                     "127.0.0.1", "127.0.0.1"], check=True, capture_output=True)
     tls = load_node_config(write(tmp_path, node_config(2, "SEMI2K", tls=tls_section(
         ["node:0", "node:1"])), "tls.json"))
-    with pytest.raises(RuntimeError, match="loopback benchmarks only; unset it for a TLS run"):
-        party_lib.start_front(tls, "node:1", tmp_path)
+    with pytest.raises(RuntimeError, match="loopback benchmarks only; leave it out for a TLS run"):
+        start_front(tls, "node:1", tmp_path, program=bare)
 
 
 def test_the_front_process_loads_the_standard_library_only(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from experiments.faults import harness
 from models import registry
 from mpcache_jax.policies import POLICY_NAMES
 from runtime.distributed import JobSpec
-from runtime.distributed import config as config_lib
+from runtime.distributed import bounds
 from runtime.distributed.launch import free_ports
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -144,22 +144,22 @@ def test_a_prompt_text_sets_the_length_the_job_is_checked_at(parse):
 
 
 def test_smallest_budget_is_what_a_scan_finds_for_every_policy():
-    """The binary search of config.smallest_budget (which assumes that a policy serving a
+    """The binary search of bounds.smallest_budget (which assumes that a policy serving a
     budget serves every larger one) gives the first budget a scan of every token count
     finds, for every registered policy."""
     checked = 0
     for name in POLICY_NAMES:
         for T in (64, 200):
             job = JobSpec(policy=name, budget=None, seq_len=T)
-            scan = next((k for k in range(1, T + 1) if config_lib._serves(job, k, T)), None)
-            counts = config_lib.smallest_budget(job, T, ratio=False)
+            scan = next((k for k in range(1, T + 1) if bounds._serves(job, k, T)), None)
+            counts = bounds.smallest_budget(job, T, ratio=False)
             assert (counts and counts[0]) == scan, (name, T)
-            ratios = config_lib.smallest_budget(job, T, ratio=True)
+            ratios = bounds.smallest_budget(job, T, ratio=True)
             if scan is None:
                 assert ratios is None
                 continue
             ratio, tokens = ratios
-            assert tokens == scan and config_lib._serves(job, ratio, T), (name, T)
+            assert tokens == scan and bounds._serves(job, ratio, T), (name, T)
             checked += 1
     assert checked >= len(POLICY_NAMES)
 

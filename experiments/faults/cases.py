@@ -200,7 +200,7 @@ def _flood(front):
     a probe's hello: the peer's frame reaches brpc; every flooding connection is closed, and
     the front's events count them for the source address."""
     import socket
-    from runtime.distributed.party import flood_message
+    from runtime.distributed.blame import flood_message
     spec = front.spec
     flood = []
     for _ in range(260):
@@ -279,7 +279,7 @@ def _outbound_from_another_process(front):
     socket for node:0 and writes a Push: refused before a byte is read, nothing leaves."""
     import subprocess
     import sys
-    from runtime.distributed.front import outbound_socket
+    from runtime.distributed.front_state import outbound_socket
     path = outbound_socket(front.spec.private_dir, "node:0")
     frame = forge_frame(1, b"test.3pc.run:P2P-1:1->0", seq=1)
     code = ("import socket, sys, time\n"
@@ -752,7 +752,8 @@ def party_cases() -> list:
             "" if results else "no results.jsonl") if x)
 
     def first_event(folder, party, kind) -> str:
-        from runtime.distributed.party import front_events, front_events_path
+        from runtime.distributed.blame import front_events
+        from runtime.distributed.party_front import front_events_path
         events = [e for e in front_events(front_events_path(folder / "out", party))[0]
                   if e["kind"].startswith(kind)]
         if not events:
@@ -781,7 +782,8 @@ def party_cases() -> list:
         start_node2(procs)
 
     def flood_named(folder):
-        from runtime.distributed.party import flood_message, front_events_path
+        from runtime.distributed.blame import flood_message
+        from runtime.distributed.party_front import front_events_path
         while flood_sockets:
             flood_sockets.pop().close()
         message = flood_message(front_events_path(folder / "out", "node:0")) or ""
@@ -822,7 +824,8 @@ def party_cases() -> list:
         later["tried"] = tried
 
     def flood_summary(folder):
-        from runtime.distributed.party import flood_message, front_events_path
+        from runtime.distributed.blame import flood_message
+        from runtime.distributed.party_front import front_events_path
         return (f"every party exits 0; node:0's front: "
                 f"{flood_message(front_events_path(folder / 'out', 'node:0'))}")
 
@@ -831,7 +834,8 @@ def party_cases() -> list:
                 f"{first_event(folder, 'node:0', 'refused a local connection')}")
 
     def nothing_left_with_node0s_name(folder):
-        from runtime.distributed.party import front_events, front_events_path
+        from runtime.distributed.blame import front_events
+        from runtime.distributed.party_front import front_events_path
         out = folder / "out"
         refused = [e for e in front_events(front_events_path(out, "node:0"))[0]
                    if e["kind"] == "refused a local connection"]

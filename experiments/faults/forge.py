@@ -10,7 +10,7 @@ import pathlib
 import subprocess
 import sys
 
-from experiments.faults.harness import make_certs
+from experiments.faults.harness import REPO, make_certs
 
 SEND_PICKLE = """
 import os, pickle
@@ -62,7 +62,7 @@ def forge_frame(sender_rank: int, key: bytes, value: bytes = b"x" * 8,
                 body_size: int | None = None, seq: int = 1, meta_extra: bytes = b"",
                 push_extra: bytes = b"") -> bytes:
     """A brpc baidu_std frame carrying a yacl Push as SPU 0.9.5's link sends it (fields read
-    off the wire: see runtime/distributed/front.py), with any field set to a lie:
+    off the wire: see runtime/distributed/frames.py), with any field set to a lie:
     `message_length` makes it a chunk of a message of that length at `chunk_offset`;
     `body_size` overrides the header's body size (the rest is not sent); `seq` is yacl's
     sequence number after the key (0: unnumbered, as only its connection test sends);
@@ -93,6 +93,14 @@ def private_dir() -> str:
     return path
 
 
+def build_fast_front(binary: pathlib.Path) -> str | None:
+    """Build runtime/distributed/fast_front.c at `binary` (scripts/build_fast_front.py, with
+    its .sha256 beside it) -> None, or why it could not."""
+    made = subprocess.run([sys.executable, str(REPO / "scripts" / "build_fast_front.py"),
+                           str(binary)], capture_output=True, text=True)
+    return None if made.returncode == 0 else (made.stderr.strip() or "it failed")
+
+
 def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
                      max_message_bytes: int = 1 << 20, spec_overrides: dict | None = None,
                      fast_front: pathlib.Path | None = None):
@@ -103,15 +111,17 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
     TCP)."""
     import socket
     import threading
-    from runtime.distributed import front as front_mod
-    from runtime.distributed.launch import child_env
+    from runtime.distributed.fast_front import FAST_FRONT_ENV
+    from runtime.distributed.front_state import FrontSpec
+    from runtime.distributed.party_front import FRONT_SCRIPT
+    from runtime.distributed.process import child_env
     tls_spec = None
     if tls:
         make_certs(folder / "certs", ["node:0", "node:1", "node:2"])
         c = folder / "certs"
         tls_spec = {"ca": str(c / "ca.crt"), "cert": str(c / "node_1.crt"),
                     "key": str(c / "node_1.key"), "verify_depth": 1}
-    spec = front_mod.FrontSpec(
+    spec = FrontSpec(
         party="node:1", rank=1, listen_host="127.0.0.1", listen_port=port,
         link_id="test.3pc.run",
         peers={f"node:{r}": {"rank": r, "host": "127.0.0.1", "address": f"127.0.0.1:{port + 0}"}
@@ -123,10 +133,10 @@ def start_test_front(folder: pathlib.Path, port: int, tls: bool = False,
         max_unread_messages=12)     # a party's: SPU's throttle window of 10 + 2
     spec = dataclasses.replace(spec, **(spec_overrides or {}))
     pathlib.Path(spec.events_path).write_text("")
-    proc = subprocess.Popen([sys.executable, front_mod.__file__, spec.to_json()],
+    proc = subprocess.Popen([sys.executable, str(FRONT_SCRIPT), spec.to_json()],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=open(folder / "front.log", "w"),
-                            env=child_env({front_mod.FAST_FRONT_ENV: str(fast_front or "off")}))
+                            env=child_env({FAST_FRONT_ENV: str(fast_front or "off")}))
     ready = json.loads(proc.stdout.readline())
     backend = socket.socket(socket.AF_UNIX)
     backend.bind(ready["backend"])
@@ -166,13 +176,13 @@ def tls_client(address, folder: pathlib.Path, cert_tag: str = "node_0"):
 
 def front_answers_hello(spec, tls_folder: pathlib.Path | None) -> bool:
     import socket
-    from runtime.distributed import front as front_mod
+    from runtime.distributed import frames
     address = ("127.0.0.1", spec.listen_port)
     try:
         sock = (tls_client(address, tls_folder) if tls_folder is not None
                 else socket.create_connection(address, timeout=5))
-        nonce = os.urandom(front_mod.HELLO_NONCE_BYTES)
-        sock.sendall(front_mod.hello_request(nonce))
+        nonce = os.urandom(frames.HELLO_NONCE_BYTES)
+        sock.sendall(frames.hello_request(nonce))
         reply = b""
         while len(reply) < 36:
             got = sock.recv(64)
@@ -182,7 +192,7 @@ def front_answers_hello(spec, tls_folder: pathlib.Path | None) -> bool:
         sock.close()
     except OSError:
         return False
-    return front_mod.check_hello_reply(reply, bytes.fromhex(spec.hello_key), nonce, spec.party)
+    return frames.check_hello_reply(reply, bytes.fromhex(spec.hello_key), nonce, spec.party)
 
 
 def sending(*frames: bytes, tls_cert: str | None = None):

@@ -18,7 +18,7 @@ TINY_JOB = {"model": "llama-tiny", "num_layers": 2, "policy": "mpcache_exact", "
                                "levels": [[8, 0.5], [4, None]], "oversample": 0},
             "seq_len": 32, "max_new_tokens": 2, "reveal_logits": False, "timeout_s": 240}
 
-# Preludes run in a party's worker before experiments.party's main (simulated hostile code).
+# Preludes run in a party's worker before its main (party_main; simulated hostile code).
 SKIP_OWN_CERT_CHECK = ("import runtime.distributed.config as _config\n"
                        "_config.check_own_certificate = lambda *a, **k: None\n"
                        "_config.check_key_and_ca = lambda *a, **k: None\n")
@@ -92,14 +92,14 @@ def start_party(config_path: pathlib.Path, party: str, out: pathlib.Path,
                 prelude: str | None = None) -> subprocess.Popen:
     """One party as `python -m experiments.party` (supervisor + worker), or with `prelude` its
     worker alone running the prelude first (patched code). Own session; output to
-    out/party_<tag>.log; dies with this process (launch.child_env)."""
-    from runtime.distributed.launch import child_env
+    out/party_<tag>.log; dies with this process (process.child_env)."""
+    from runtime.distributed.process import child_env
     args = [f"--node_config={config_path}", f"--party={party}", f"--output_dir={out}"]
     if prelude is None:
         cmd = [sys.executable, "-m", "experiments.party", *args]
     else:
-        code = (f"{prelude}\nfrom absl import app\nfrom experiments import party\n"
-                "app.run(party.main)\n")
+        code = (f"{prelude}\nfrom absl import app\nfrom runtime.distributed import party_main\n"
+                "app.run(party_main.main)\n")
         cmd = [sys.executable, "-c", code, "--worker", *args]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"party_{tag(party)}.log", "w") as logf:

@@ -39,7 +39,8 @@ class Context:
 
     def fast_front_binary(self) -> pathlib.Path:
         if self.fast_front is None:
-            from runtime.distributed.front import FAST_FRONT_NAME, build_fast_front
+            from experiments.faults.forge import build_fast_front
+            from runtime.distributed.fast_front import FAST_FRONT_NAME
             binary = self.root / "fast_front" / FAST_FRONT_NAME
             why = build_fast_front(binary)
             if why:

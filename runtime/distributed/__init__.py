@@ -1,23 +1,28 @@
 """Multi-process / multi-host secure runs from SPU-style node configs.
 
-config.py        node config dataclasses, JSON loader, validation (NodeConfigError)
-job.py           the job's public side (model, policy, weight shapes) and each owner's input
-node_backend.py  one party behind the backend interface (compile and compare, typed sharing,
-                 resident shares, reveal to the owner only, public decisions)
-wire.py          typed messages between parties (no pickle), checked against expectations
-party.py         one party: brpc link (optional mutual TLS), the session's step programs,
-                 per-step costs; PartyFailure names a failing peer
-costs.py         per-party profiles as data; one record schema for spu_sim and spu_nodes
-launch.py        loopback launcher: all parties as local processes (run_loopback), JobFailed
-supervise.py     the party's supervisor process (explains a worker the link layer ended)
-compare.py       simulated (spu_sim) vs multi-process cost of the same job
+config.py    the node config (options.py: link and job sections; bounds.py: the job's bounds;
+             certs.py: the TLS identity rule); job.py: the job's public side, owners' inputs
+party.py     one party's run and its brpc link (node_backend.py: its backend; wire.py: typed
+             messages; blame.py: probes, who failed, the Watchdog; party_front.py: its front's
+             spec and process; process.py: exits, private directory, parent binding)
+party_main.py  a party's entry point; launch.py: every party as a local process
+             (run_loopback); supervise.py: the supervisor; compare.py, costs.py: cost records
+front.py     the front door, its own process (frames.py: frame grammar; rules.py;
+             front_state.py: spec, caps, events; relay.py: outbound side; fast_front.py:
+             which build of the front in C, fast_front.c, runs in its place)
+Names below load their module on first use (the front's modules need no JAX).
 """
-from runtime.distributed.config import (JobSpec, LinkOptions, NodeConfig, NodeConfigError,
-                                        TLSConfig, load_node_config, parse_node_config)
-from runtime.distributed.launch import JobFailed, run_loopback
-from runtime.distributed.party import (EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PEER,
-                                       PartyFailure, run_party)
+import importlib
 
-__all__ = ["JobSpec", "LinkOptions", "NodeConfig", "NodeConfigError", "TLSConfig",
-           "load_node_config", "parse_node_config", "JobFailed", "run_loopback", "PartyFailure",
-           "run_party", "EXIT_OK", "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_PEER"]
+_HOMES = {"JobSpec": "options", "LinkOptions": "options", "NodeConfigError": "options",
+          "TLSConfig": "options", "NodeConfig": "config", "load_node_config": "config",
+          "parse_node_config": "config", "JobFailed": "launch", "run_loopback": "launch",
+          "PartyFailure": "process", "EXIT_OK": "process", "EXIT_FAILURE": "process",
+          "EXIT_CONFIG": "process", "EXIT_PEER": "process", "run_party": "party"}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

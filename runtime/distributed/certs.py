@@ -1,7 +1,8 @@
 """Certificates by the parties' TLS identity rule: a node's certificate names its node id
 (subject CN) and its host (a subjectAltName entry). Read by the node config at load (its own
 certificate and the CA: files, validity dates, names) and by each party's front door (the
-peer a client certificate identifies). Standard library only: the front is a light process.
+peer a client certificate identifies, its TLS contexts). Standard library only: the front is
+a light process.
 """
 from __future__ import annotations
 
@@ -177,3 +178,28 @@ def check_key_and_ca(cert: str, key: str, ca: str, where_cert: str, where_key: s
         if done[0]:
             return
     raise CertificateError(f"{where_cert}={cert!r}: a TLS handshake with it did not complete")
+
+
+def certificate_node(cert: dict | None, peers: dict[str, dict]) -> tuple[str | None, str]:
+    """The peer node a client certificate identifies by the identity rule -> (node, '') or
+    (None, why not)."""
+    if not cert:
+        return None, "it presented no certificate"
+    cn, sans = certificate_names(cert)
+    if cn not in peers:
+        return None, f"its certificate's CN {cn!r} is not a peer node of the config"
+    if not san_matches(peers[cn]["host"], sans):
+        return None, (f"its certificate (CN={cn!r}) has no subjectAltName for {cn}'s host "
+                      f"{peers[cn]['host']}")
+    return cn, ""
+
+
+def tls_context(ca: str, cert: str, key: str, server: bool = False) -> ssl.SSLContext:
+    """Mutual TLS by the identity rule: the peer's certificate must chain to `ca` (its names
+    are checked by the rule, not as a host name); this side presents `cert` and `key`."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(ca)
+    ctx.load_cert_chain(cert, key)
+    return ctx

@@ -42,7 +42,7 @@ the certificate a node presents must
 Checked twice: at config validation for every certificate file this process can read (its
 own; every party's for the loopback launcher), and on the network, where each party opens its
 own TLS connection (CA + its own certificate) to every peer's link endpoint before the first
-share is sent (`party.verify_peers`), and again on every liveness probe (`party.probe`,
+share is sent (`blame.verify_peers`), and again on every liveness probe (`blame.probe`,
 `identity_mismatch`): a peer whose certificate names another node ends the run with both
 names. brpc's own server side would accept any CA-signed client certificate; it is
 therefore never exposed: every party's endpoint is its front (front.py), which terminates
@@ -58,249 +58,19 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
-import math
 import os
 import pathlib
 import re
 from typing import Any
 
-import jax
-
-from mpcache_jax.policies import POLICY_NAMES, make_policy
-from models import registry
-from models.config import ConfigError
-from models.model import Model
-from models.registry import MODEL_NAMES
+from runtime.distributed.bounds import check_job_bounds
 from runtime.distributed.certs import (CertificateError, check_key_and_ca,
                                        check_own_certificate, check_validity, read_certificate)
+from runtime.distributed.options import (JobSpec, LinkOptions, NodeConfigError, PartyCerts,
+                                         TLSConfig, is_int)
+from runtime.distributed.process import node_tag
 from runtime.mpc import config as mpc_config
 from runtime.mpc.config import MPCConfig
-
-
-class NodeConfigError(ValueError):
-    """A node config is malformed; the message names the offending entry and what to change."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PartyCerts:
-    cert: str
-    key: str
-
-
-@dataclasses.dataclass(frozen=True)
-class TLSConfig:
-    """Mutual TLS: every party presents its own certificate and checks its peers' against `ca`."""
-
-    ca: str
-    certs: dict[str, PartyCerts]
-    verify_depth: int = 1
-
-
-# The longest timeout any link or job field may name: 7 days. The link takes milliseconds
-# and retry counts as 32-bit integers (uint32 / brpc's int32 ms), which 7 days in ms fits.
-MAX_TIMEOUT_S = 7 * 24 * 3600
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_types(obj, types: dict[str, tuple[str, Any]], where: str) -> None:
-    """Each field of `obj` named in `types` must pass its check: {name: (what, predicate)}."""
-    for name, (what, ok) in types.items():
-        value = getattr(obj, name)
-        if not ok(value):
-            hint = " (write it without quotes)" if isinstance(value, str) else ""
-            raise NodeConfigError(f"{where}.{name}={value!r} must be {what}{hint}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapeSpec:
-    """Traffic shaping by the parties' fronts: every frame a party receives is held for
-    `delay_ms` (one-way delay) after it has passed a per-connection rate of `rate_mb_s`
-    (10^6 bytes per second; None = no rate limit)."""
-
-    delay_ms: float = 0.0
-    rate_mb_s: float | None = None
-
-
-# link.shape profiles: the paper's LAN (3016 mbit = 377 MB/s, 0.3 ms) and WAN (40 MB/s, 80 ms).
-SHAPE_PROFILES = {"lan": ShapeSpec(0.3, 377.0), "wan": ShapeSpec(80.0, 40.0)}
-MAX_SHAPE_DELAY_MS = 60_000.0
-
-
-def parse_shape(shape: Any) -> ShapeSpec | None:
-    """link.shape: null, "lan", "wan" or {"delay_ms": MS, "rate_mb_s": MB_PER_S | null}."""
-    if shape is None or isinstance(shape, ShapeSpec):
-        return shape
-    if isinstance(shape, str):
-        if shape not in SHAPE_PROFILES:
-            raise NodeConfigError(f"link.shape={shape!r} is unknown; use \"lan\" (377 MB/s, "
-                                  "0.3 ms), \"wan\" (40 MB/s, 80 ms) or {\"delay_ms\": MS, "
-                                  "\"rate_mb_s\": MB_PER_S}")
-        return SHAPE_PROFILES[shape]
-    if not isinstance(shape, dict):
-        raise NodeConfigError(f"link.shape={shape!r} must be \"lan\", \"wan\" or "
-                              "{\"delay_ms\": MS, \"rate_mb_s\": MB_PER_S}")
-    unknown = sorted(set(shape) - {"delay_ms", "rate_mb_s"})
-    if unknown:
-        raise NodeConfigError(f"link.shape has unknown key(s) {unknown}; keys: delay_ms, "
-                              "rate_mb_s")
-    delay, rate = shape.get("delay_ms", 0.0), shape.get("rate_mb_s")
-    if not _is_number(delay) or not 0 <= delay <= MAX_SHAPE_DELAY_MS:
-        raise NodeConfigError(f"link.shape.delay_ms={delay!r} must be a number of milliseconds "
-                              f"from 0 to {MAX_SHAPE_DELAY_MS:g} (one-way delay)")
-    if rate is not None and (not _is_number(rate) or not 0 < rate <= 1e6):
-        raise NodeConfigError(f"link.shape.rate_mb_s={rate!r} must be a rate in MB/s above 0 "
-                              "(at most 1e6), or null for no rate limit")
-    return ShapeSpec(float(delay), None if rate is None else float(rate))
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkOptions:
-    """brpc link settings and failure detection.
-
-    `connect_timeout_s` (<= 60 s by default): from the moment a party starts its link, every
-    peer must come up (its endpoint answers, with the right certificate under TLS) within this
-    long, else the party fails naming the peer that never came up. `peer_timeout_s`: every
-    party probes its peers' link endpoints once a second; a peer seen up that then refuses or
-    does not answer for this long (dead, hung, unreachable) makes the party fail naming it.
-    `recv_timeout_s`: the link's own limit on waiting for one message from a peer that is
-    alive; it must exceed the longest local step of any party (compilation, ~20 s for a
-    30-layer model). `connect_retry_times` x `connect_retry_interval_ms`: brpc's own connect
-    retries (raised, when shorter, to outlast connect_timeout_s, which decides).
-    `insecure`: allow plain TCP to non-loopback hosts (prints a warning). `shape`: traffic
-    shaping by the fronts (`parse_shape`: "lan", "wan" or {"delay_ms", "rate_mb_s"})."""
-
-    peer_timeout_s: float = 30.0
-    recv_timeout_s: float = 600.0
-    connect_timeout_s: float = 60.0
-    connect_retry_times: int = 10
-    connect_retry_interval_ms: int = 1000
-    http_timeout_ms: int = 20000
-    insecure: bool = False
-    shape: Any = None
-    tls: TLSConfig | None = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "shape", parse_shape(self.shape))
-        seconds = ("a number of seconds", _is_number)
-        integer = ("an integer", _is_int)
-        _check_types(self, {"peer_timeout_s": seconds, "recv_timeout_s": seconds,
-                            "connect_timeout_s": seconds, "connect_retry_times": integer,
-                            "connect_retry_interval_ms": integer, "http_timeout_ms": integer,
-                            "insecure": ("true or false", lambda v: isinstance(v, bool))},
-                     "link")
-        for name in ("peer_timeout_s", "recv_timeout_s", "connect_timeout_s"):
-            value = getattr(self, name)
-            if value <= 0:
-                raise NodeConfigError(f"link.{name}={value} must be > 0 seconds")
-            if value > MAX_TIMEOUT_S:
-                raise NodeConfigError(f"link.{name}={value:g} is beyond the longest timeout the "
-                                      f"link accepts, {MAX_TIMEOUT_S} s (7 days: its "
-                                      "milliseconds and retry counts are 32-bit); use at most "
-                                      f"{MAX_TIMEOUT_S}")
-        if self.connect_retry_times < 0 or self.connect_retry_interval_ms <= 0:
-            raise NodeConfigError("link.connect_retry_times must be >= 0 and "
-                                  "link.connect_retry_interval_ms > 0")
-        for name in ("connect_retry_times", "connect_retry_interval_ms", "http_timeout_ms"):
-            value = getattr(self, name)
-            if value > MAX_TIMEOUT_S * 1000:
-                raise NodeConfigError(f"link.{name}={value} is beyond the bound the link "
-                                      f"accepts ({MAX_TIMEOUT_S * 1000}, 32-bit and 7 days in "
-                                      f"ms); use at most {MAX_TIMEOUT_S * 1000}")
-        if self.http_timeout_ms <= 0:
-            raise NodeConfigError(f"link.http_timeout_ms={self.http_timeout_ms} must be > 0")
-        if self.insecure and self.tls is not None:
-            raise NodeConfigError('link.insecure=true and link.tls contradict each other: remove '
-                                  '"insecure" to use TLS, or "tls" to run over plain TCP')
-
-
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """The public program every party agrees to run: secure generation of `max_new_tokens`
-    greedy tokens after a `seq_len`-token prompt with `policy` on `model`.
-
-    The prompt is the prompt owner's private input: a file given to its party only
-    (`--prompt_file`, wrapped in the chat template when `chat`), else `prompt_ids`, else
-    `seq_len` random ids drawn with `prompt_seed`; its length is public. `seed` draws random
-    weights for random-weight models. `reveal_logits` also opens the logits of each generated
-    token to the prompt owner (tests; leaks more than tokens). `memory_limit_gb`: the most one
-    party may need by `estimate_party_memory` (default: 80% of this machine's memory divided
-    among the parties that run on it). `prefill`: "secure" (the private run), or "clear" for
-    decode-step benchmarks that neither keep the prompt private nor need a secure prefill's
-    memory: the prompt is public (`prompt_ids` or the random one; a prompt file is refused),
-    the model owner prefills it in plaintext and secret-shares the cache, and the decode steps
-    run securely as always (their cost does not depend on the values).
-    """
-
-    model: str = "llama-tiny"
-    policy: str = "mpcache"
-    budget: float | None = None
-    policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    seq_len: int = 64
-    max_new_tokens: int = 2
-    num_layers: int | None = None
-    seed: int = 0
-    prompt_seed: int = 1
-    prompt_ids: tuple[int, ...] | None = None
-    chat: bool = True
-    reveal_logits: bool = False
-    timeout_s: float = 600.0
-    memory_limit_gb: float | None = None
-    prefill: str = "secure"
-
-    def __post_init__(self):
-        integer = ("an integer", _is_int)
-        optional = lambda ok: (lambda v: v is None or ok(v))  # noqa: E731
-        _check_types(self, {
-            "model": ("a string", lambda v: isinstance(v, str)),
-            "policy": ("a string", lambda v: isinstance(v, str)),
-            "budget": ("a number or null", optional(_is_number)),
-            "policy_options": ("an object", lambda v: isinstance(v, dict)),
-            "seq_len": integer, "max_new_tokens": integer,
-            "num_layers": ("an integer or null", optional(_is_int)),
-            "seed": integer, "prompt_seed": integer,
-            "chat": ("true or false", lambda v: isinstance(v, bool)),
-            "reveal_logits": ("true or false", lambda v: isinstance(v, bool)),
-            "timeout_s": ("a number of seconds", _is_number),
-            "memory_limit_gb": ("a number of GB or null", optional(_is_number)),
-            "prefill": ("a string", lambda v: isinstance(v, str)),
-        }, "job")
-        from runtime.mpc.secure import PREFILL_MODES
-        if self.prefill not in PREFILL_MODES:
-            raise NodeConfigError(f"job.prefill={self.prefill!r} is unknown; use \"secure\" "
-                                  "(private) or \"clear\" (decode benchmarks, public prompt)")
-        if self.prompt_ids is not None:
-            if not isinstance(self.prompt_ids, (list, tuple)):
-                raise NodeConfigError(f"job.prompt_ids must be a list of integer token ids, got "
-                                      f"{self.prompt_ids!r}; e.g. [1, 2, 3]")
-            bad = [t for t in self.prompt_ids if not _is_int(t)]
-            if bad:
-                raise NodeConfigError(f"job.prompt_ids must be a list of integer token ids, got "
-                                      f"{bad[0]!r} in it; write ids as JSON numbers, e.g. "
-                                      "[1, 2, 3]")
-            object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
-        if self.model not in MODEL_NAMES:
-            raise NodeConfigError(f"job.model={self.model!r} is unknown; use one of {MODEL_NAMES}")
-        if self.policy not in POLICY_NAMES:
-            raise NodeConfigError(f"job.policy={self.policy!r} is unknown; use one of {POLICY_NAMES}")
-        if self.seq_len < 1 or self.max_new_tokens < 1:
-            raise NodeConfigError("job.seq_len and job.max_new_tokens must be >= 1")
-        if self.prompt_ids is not None and len(self.prompt_ids) != self.seq_len:
-            raise NodeConfigError(f"job.prompt_ids has {len(self.prompt_ids)} ids but job.seq_len "
-                                  f"is {self.seq_len}; make them agree")
-        if self.timeout_s <= 0:
-            raise NodeConfigError(f"job.timeout_s={self.timeout_s} must be > 0 seconds")
-        if self.timeout_s > MAX_TIMEOUT_S:
-            raise NodeConfigError(f"job.timeout_s={self.timeout_s:g} is beyond {MAX_TIMEOUT_S} s "
-                                  "(7 days); use at most that")
-        if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
-            raise NodeConfigError(f"job.memory_limit_gb={self.memory_limit_gb} must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,11 +139,6 @@ def _need(mapping: dict, key: str, where: str, kind=None):
 
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 LOOPBACK_NAMES = ("localhost",)
-
-
-def node_tag(party_id: str) -> str:
-    """The node id as it appears in file names (party_<tag>.log, spu_<tag>.log)."""
-    return party_id.replace(":", "_")
 
 
 def check_node_ids(ids) -> None:
@@ -533,7 +298,7 @@ def _parse_tls(tls: Any, base: pathlib.Path, hosts: dict[str, str],
         raise NodeConfigError(f"link.tls has unknown key(s) {unknown}; keys: ca, certs, "
                               "verify_depth")
     depth = tls.get("verify_depth", 1)
-    if not _is_int(depth) or depth < 1:
+    if not is_int(depth) or depth < 1:
         raise NodeConfigError(f"link.tls.verify_depth={depth!r} must be an integer >= 1")
     ca = resolve(_need(tls, "ca", "link.tls"), "link.tls.ca", bool(check_parties))
     if check_parties:
@@ -669,189 +434,6 @@ def parse_node_config(raw: dict, *, base_dir: str | os.PathLike = ".", party: st
     if check_job:
         check_job_bounds(config)
     return config
-
-
-# ----- job bounds ------------------------------------------------------------------------------
-
-# Bytes of one field element, and field elements one party holds per secret value.
-FIELD_BYTES = {"FM32": 4, "FM64": 8, "FM128": 16}
-SHARES_PER_PARTY = {"ABY3": 2, "SEMI2K": 1, "CHEETAH": 1}
-# Python + JAX + SPU + compiled programs of one party process, before any data.
-RUNTIME_BASE_BYTES = 1 << 30
-# Temporaries of the largest prefill operation, in multiples of its output.
-TEMPORARY_FACTOR = 4
-
-
-def estimate_party_memory(job: JobSpec, mpc: MPCConfig, prompt_len: int | None = None
-                          ) -> tuple[int, str]:
-    """Peak memory one party needs for `job`, estimated -> (bytes, the formula with numbers).
-
-        bytes = 1 GiB + b * (P + 2*T*V + 2*L*Hkv*d*(T+N) + 4*max(H*T*(T+N), T*F))
-        job.prefill="clear": 1 GiB + b * (P + 2*L*Hkv*d*(T+N) + 4*max(H*(T+N), F))
-                             + 4 B * (P + T*V + 4*max(H*T*(T+N), T*F))
-
-    b: bytes of one party's share of one element (field bytes x shares per party: ABY3 2,
-    SEMI2K/CHEETAH 1); P: weights (secret-shared once, resident all session); T*V: the
-    prompt's secret one-hot rows [T, V] (x2: the prompt owner also holds the shares it sends);
-    2*L*Hkv*d*(T+N): the KV cache of L layers (resident between steps); H*T*(T+N): one layer's
-    prefill attention scores, T*F its MLP activations, x4 for an operation's temporaries;
-    1 GiB: the Python/JAX/SPU process. T = seq_len (or the announced prompt length), N =
-    max_new_tokens. With a clear prefill the secure part is the decode step (one query row)
-    and the prefill runs in float32 plaintext (the last term). An order-of-magnitude bound
-    meant to refuse impossible jobs before they start, not a measurement."""
-    cfg = registry.get_config(job.model, num_layers=job.num_layers)
-    params = sum(int(math.prod(leaf.shape))
-                 for leaf in jax.tree_util.tree_leaves(Model(cfg).param_shapes()))
-    T = job.seq_len if prompt_len is None else prompt_len
-    N = job.max_new_tokens
-    b = FIELD_BYTES.get(mpc.field, 8) * SHARES_PER_PARTY.get(mpc.protocol, 2)
-    cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (T + N)
-    prefill_largest = max(cfg.num_heads * T * (T + N), T * cfg.intermediate_size)
-    if job.prefill == "clear":
-        largest = max(cfg.num_heads * (T + N), cfg.intermediate_size)
-        clear = params + T * cfg.vocab_size + TEMPORARY_FACTOR * prefill_largest
-        total = RUNTIME_BASE_BYTES + b * (params + cache + TEMPORARY_FACTOR * largest) + 4 * clear
-        return total, (f"1 GiB + {b} B x (P {params:,} + KV cache {cache:,} + 4 x {largest:,}) "
-                       f"+ 4 B x (clear prefill {clear:,}) with T={T}, N={N}")
-    elements = params + 2 * T * cfg.vocab_size + cache + TEMPORARY_FACTOR * prefill_largest
-    total = RUNTIME_BASE_BYTES + b * elements
-    formula = (f"1 GiB + {b} B x (P {params:,} + 2*T*V {2 * T * cfg.vocab_size:,} + KV cache "
-               f"{cache:,} + 4 x {prefill_largest:,}) with T={T}, N={N}")
-    return total, formula
-
-
-def memory_limit_bytes(config: NodeConfig) -> tuple[int, str]:
-    """(the most one party may need, where the limit comes from)."""
-    if config.job.memory_limit_gb is not None:
-        return int(config.job.memory_limit_gb * 2**30), "job.memory_limit_gb"
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        physical = 16 << 30
-    n = config.parties_on_this_host
-    return int(0.8 * physical / n), (f"80% of this machine's {physical / 2**30:.1f} GiB shared "
-                                     f"by {n} part{'y' if n == 1 else 'ies'}")
-
-
-def frozen(value):
-    """JSON lists -> tuples, so policy options stay hashable (policies are static jit args)."""
-    return tuple(frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-_JOB_BUDGET = object()
-
-
-def make_job_policy(job: JobSpec, budget: Any = _JOB_BUDGET):
-    """The job's configured policy (with `budget` in place of job.budget when given)."""
-    options = {k: frozen(v) for k, v in job.policy_options.items()}
-    return make_policy(job.policy, job.budget if budget is _JOB_BUDGET else budget, **options)
-
-
-def _serves(job: JobSpec, budget, prompt_len: int) -> bool:
-    try:
-        policy = make_job_policy(job, budget)
-        check = getattr(policy, "check_prompt", None)
-        if check is not None:
-            check(prompt_len)
-    except (TypeError, ValueError, LookupError, AttributeError):
-        return False
-    return True
-
-
-def budget_text(budget) -> str:
-    return f"{budget:g}" if isinstance(budget, float) else str(budget)
-
-
-def ratio_for(tokens: int, prompt_len: int) -> float:
-    """The shortest (then smallest) decimal ratio of the prompt that budgets exactly `tokens`
-    of a `prompt_len`-token prompt (`primitives.budget_tokens`)."""
-    from mpcache_jax.primitives import budget_tokens
-    for digits in range(1, 16):
-        step = 10.0 ** -digits
-        value = round((math.floor((tokens - 1) / prompt_len / step) + 1) * step, digits)
-        if 0 < value <= 1 and budget_tokens(value, prompt_len) == tokens:
-            return value
-    return tokens / prompt_len
-
-
-def smallest_budget(job: JobSpec, prompt_len: int, ratio: bool) -> tuple[Any, int] | None:
-    """The smallest budget with which the job's policy serves a `prompt_len`-token prompt (its
-    own check_prompt) -> (budget, tokens it keeps), or None when even the whole prompt does
-    not. `ratio`: as a ratio of the prompt (`ratio_for`), else a token count. A binary search
-    over the token count: a policy that serves a budget serves every larger one (the
-    registry's policies all do; tests/test_node_job.py checks it against a scan)."""
-    def value(k: int):
-        return ratio_for(k, prompt_len) if ratio else k
-
-    if not _serves(job, value(prompt_len), prompt_len):
-        return None
-    low, high = 1, prompt_len          # invariant: value(high) serves
-    while low < high:
-        mid = (low + high) // 2
-        if _serves(job, value(mid), prompt_len):
-            high = mid
-        else:
-            low = mid + 1
-    return value(high), high
-
-
-def check_policy_serves(job: JobSpec, prompt_len: int) -> None:
-    """The job's policy must build with its budget and options and serve a `prompt_len`-token
-    prompt (its check_prompt, the check the parties' programs run); the error names the
-    smallest budget that would."""
-    try:
-        policy = make_job_policy(job)
-    except (TypeError, ValueError, LookupError, AttributeError) as err:
-        raise NodeConfigError(f"job.policy={job.policy!r} with job.budget={job.budget!r} and "
-                              f"job.policy_options={job.policy_options}: {err}") from None
-    check = getattr(policy, "check_prompt", None)
-    if check is None:
-        return
-    try:
-        check(prompt_len)
-    except ValueError as err:
-        ratio = job.budget is None or isinstance(job.budget, float)
-        fit = smallest_budget(job, prompt_len, ratio)
-        given = (f"job.budget={budget_text(job.budget)}" if job.budget is not None else
-                 f"job.budget (unset: {job.policy}'s default {getattr(policy, 'budget', None)})")
-        options = f" and job.policy_options={job.policy_options}" if job.policy_options else ""
-        if fit is None:
-            raise NodeConfigError(
-                f"{given}: {err}; no budget lets job.policy={job.policy!r}{options} serve "
-                f"the job's prompt (job.seq_len={prompt_len}): use a longer prompt or another "
-                "policy") from None
-        count = (f"; or job.budget={fit[1]}, a token count" if isinstance(fit[0], float)
-                 and fit[1] > 1 else "")
-        raise NodeConfigError(
-            f"{given}: {err}; the smallest budget that serves the job's {prompt_len}-token "
-            f"prompt is job.budget={budget_text(fit[0])} ({fit[1]} tokens{count})") from None
-
-
-def check_job_bounds(config: NodeConfig, prompt_len: int | None = None) -> None:
-    """The job must fit the model (prompt + new tokens <= the model's context), its policy must
-    build and serve the prompt's length (`check_policy_serves`: the policy's own check_prompt,
-    as the parties' programs run it), and one party's estimated memory must stay under the
-    limit (`memory_limit_bytes`). The prompt's length: `prompt_len` when announced, else
-    job.seq_len."""
-    job = config.job
-    try:
-        cfg = registry.get_config(job.model, num_layers=job.num_layers)
-    except ConfigError as err:
-        raise NodeConfigError(f"job.num_layers: {err}") from None
-    T = job.seq_len if prompt_len is None else prompt_len
-    if T + job.max_new_tokens > cfg.max_position:
-        raise NodeConfigError(
-            f"job.seq_len={T} + job.max_new_tokens={job.max_new_tokens} = "
-            f"{T + job.max_new_tokens} exceeds {job.model}'s context of {cfg.max_position} "
-            f"tokens; make them add up to at most {cfg.max_position}")
-    check_policy_serves(job, T)
-    need, formula = estimate_party_memory(job, config.mpc, prompt_len)
-    limit, source = memory_limit_bytes(config)
-    if need > limit:
-        raise NodeConfigError(
-            f"the job needs about {need / 2**30:.1f} GiB per party ({formula}), over the limit "
-            f"of {limit / 2**30:.1f} GiB ({source}); shorten job.seq_len / job.max_new_tokens, "
-            "use fewer job.num_layers, or raise job.memory_limit_gb if the machine has the memory")
 
 
 def load_node_config(path: str | os.PathLike, party: str | None = None,

@@ -8,10 +8,12 @@
    Python front's CPU per relayed frame (about twice that of a relay in C, most of it the
    interpreter) is wall time of every decode step.
 
-   The rules, the messages and the events are front.py's (its module docstring; parse_frame,
-   read_fields, check_push, parse_hello), and tests/test_distributed.py runs every plain-TCP
+   The rules, the messages and the events are the Python front's (rules.py's docstring;
+   frames.parse_frame, read_fields, parse_hello; rules.check_push; front_state.Front), and
+   tests/test_distributed.py runs every plain-TCP
    fault case and a differential fuzz of forged frames against both. Plain TCP has no outbound
-   side, so there is no unread window here (max_unread_messages is 0 in front.py as well).
+   side, so there is no unread window here (max_unread_messages is 0 in front_state.Front as
+   well).
    Nothing a peer sends becomes anything but integers and byte ranges, each bounds-checked.
 
    One thread per connection reads the peer's frames into its buffer, checks each whole frame
@@ -27,15 +29,15 @@
    of that scope without a hello (else refused); a connection's hello within the deadline of
    its start, every later frame within the deadline of its first byte (the socket's receive
    timeout never reaches past it); the unfinished messages in one book
-   (front.UnfinishedBook: each connection's own budget, cleared when it closes; a total); a
-   message number that comes back under another key is a forged message (front.FORGED).
+   (rules.UnfinishedBook: each connection's own budget, cleared when it closes; a total); a
+   message number that comes back under another key is a forged message (rules.FORGED).
 
    Usage (by front.py only; --check in place of LISTEN_FD: see check_mode): fast_front
        LISTEN_FD BACKEND_SOCKET PARTY RANK LINK_ID HELLO_KEY_HEX MAX_FRAME MAX_MESSAGE
        MAX_BUFFERED EVENTS_PATH DEADLINE_MS MAX_CONNECTIONS MAX_PER_SOURCE
        [PEER_NODE PEER_RANK]...
-   (front.fast_front_args). stdin: "cap N" and "stats" lines as front.py reads them.
-   Build: front.build_fast_front (cc -O2 -pthread ... -lcrypto), run by scripts/setup.sh. */
+   (fast_front.fast_front_args). stdin: "cap N" and "stats" lines as front.py reads them.
+   Build: scripts/build_fast_front.py (cc -O2 -pthread ... -lcrypto), run by scripts/setup.sh. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -58,7 +60,7 @@
 #include <unistd.h>
 
 #define HEADER_BYTES 12
-#define FORGED 2                /* *anonymous: a forged message (front.FORGED events) */
+#define FORGED 2                /* *anonymous: a forged message (rules.FORGED events) */
 #define MAX_META_BYTES 4096
 #define MAX_KEY_BYTES 512
 #define MAX_UNFINISHED_MESSAGES 64
@@ -75,7 +77,7 @@ static const char PUSH_METHOD[] = "Push";
 static unsigned char push_meta_prefix[64];
 static size_t push_meta_prefix_len;
 
-/* A message a peer rank delivered (front.Front.seen): its sequence number, key and where. */
+/* A message a peer rank delivered (front_state.Front.seen): its sequence number, key, where. */
 typedef struct {
     unsigned __int128 seq;          /* 0: empty; up to 20 digits */
     unsigned char key[MAX_KEY_BYTES];
@@ -103,7 +105,7 @@ typedef struct Connection {
     uint64_t count, bytes;          /* the unfinished messages it is charged for */
 } Connection;
 
-/* front.Unfinished: a chunked message the worker holds a buffer for, by (rank, key). */
+/* rules.Unfinished: a chunked message the worker holds a buffer for, by (rank, key). */
 typedef struct {
     uint64_t rank;
     unsigned char key[MAX_KEY_BYTES];
@@ -125,12 +127,12 @@ static struct {
     int n_peers;
 } cfg;
 
-/* front.UnfinishedBook: every connection's unfinished messages, in order of arrival. */
+/* rules.UnfinishedBook: every connection's unfinished messages, in order of arrival. */
 static Unfinished *book;
 static int book_n, book_max;
 static uint64_t book_bytes;
 
-/* The open connections (front.Front.open), evicted ones until their thread has left. */
+/* The open connections (front_state.Front.open), evicted ones until their thread has left. */
 static Connection **table;
 static size_t table_size;
 static uint64_t n_open, n_serial;
@@ -197,7 +199,7 @@ static void put_json_string(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-/* The event front.Front.event writes: one stderr line, one JSON line in the events file
+/* The event front_state.Front.event writes: one stderr line, one JSON line in the events file
    (with "source" and "connections": n when given). Takes `lock`. */
 static void event_count(const char *kind, const char *address, const char *node,
                         const char *why, const char *source, uint64_t connections) {
@@ -234,7 +236,7 @@ static void event(const char *kind, const char *address, const char *node, const
     event_count(kind, address, node, why, NULL, 0);
 }
 
-/* ----- protobuf reading (front.read_varint, front.read_fields) ---------------------------- */
+/* ----- protobuf reading (frames.read_varint, frames.read_fields) -------------------------- */
 
 typedef struct {
     int present, wire;
@@ -322,13 +324,13 @@ static int bytes_equal(const unsigned char *b, const Field *f, const char *s) {
     return f->len == strlen(s) && memcmp(b + f->at, s, f->len) == 0;
 }
 
-/* ----- one frame (front.parse_frame, front.check_push) ------------------------------------ */
+/* ----- one frame (frames.parse_frame, rules.check_push) ---------------------------------- */
 
 typedef struct {
     size_t frame_bytes;
     uint64_t rank, chunk_bytes, length, offset;
     int chunked, has_seq;
-    unsigned __int128 seq;          /* front.sequence_number: up to 20 digits */
+    unsigned __int128 seq;          /* frames.sequence_number: up to 20 digits */
     const unsigned char *key;
     size_t key_len;
 } Push;
@@ -412,7 +414,7 @@ static int parse_frame(const unsigned char *b, size_t have, Push *p, Text *why) 
         if (key[i] == 1 && key[i + 1] == 2) { seq_at = i; break; }
     p->key = key;
     p->key_len = seq_at;
-    if (seq_at < key_len) {       /* front.sequence_number(...) != 0 */
+    if (seq_at < key_len) {       /* frames.sequence_number(...) != 0 */
         const unsigned char *s = key + seq_at + 2;
         size_t n = key_len - seq_at - 2;
         int digits = n > 0 && n <= 20, any = 0;
@@ -629,7 +631,7 @@ static int link_key(const Push *p) {
     return !(n == 3 && (!memcmp(k, "ACK", 3) || !memcmp(k, "FIN", 3)));
 }
 
-/* front.Front.note_seq: -1 and `why` when the message's number came under another key. */
+/* front_state.Front.note_seq: -1 and `why` when the message's number came under another key. */
 static int note_seq(Connection *c, Peer *peer, const Push *p, Text *why) {
     pthread_mutex_lock(&lock);
     Seen *before = &peer->seen[(size_t)(p->seq % SEEN_SLOTS)];
@@ -659,7 +661,7 @@ static int note_seq(Connection *c, Peer *peer, const Push *p, Text *why) {
     return failed;
 }
 
-/* front.check_push for a frame from `peer` on `c` (max_unread = 0); takes `lock`. */
+/* rules.check_push for a frame from `peer` on `c` (max_unread = 0); takes `lock`. */
 static int check_push(const Push *p, Peer *peer, Connection *c, Text *why, int *anonymous) {
     uint64_t bound = peer->rank, mine = cfg.rank, src, dst;
     if (p->rank != bound) {
@@ -815,7 +817,7 @@ static void refuse_first_bytes(Connection *c, const unsigned char *head, size_t 
 /* The whole frames at buf[0:filled] of connection `c` (c->peer: the node it is bound to,
    NULL until its first frame binds it) -> the bytes of those that pass (*at), and -1 with
    `why` at the first that does not, *anonymous when the event is to name no node (FORGED:
-   of that kind) (front.Front.check_frames). */
+   of that kind) (front_state.Front.check_frames). */
 static int check_frames(const unsigned char *buf, size_t filled, Connection *c, size_t *at,
                         Text *why, int *anonymous) {
     *at = 0;
@@ -853,7 +855,7 @@ static int check_frames(const unsigned char *buf, size_t filled, Connection *c, 
     }
 }
 
-/* ----- the open connections (front.Front.admit, forget, close_without_hello) -------------- */
+/* ----- the open connections (front_state.Front.admit, forget, close_without_hello) -------- */
 
 static double seconds_since(const struct timespec *since) {
     struct timespec now;
@@ -895,7 +897,7 @@ static void note_without_hello(const char *source, const char *address, const ch
     if (log) event_count("closed a connection without a hello", address, node, why, source, 1);
 }
 
-/* front.Front.flush_flood, for every source whose second is over. */
+/* front_state.Front.flush_flood, for every source whose second is over. */
 static void *flusher(void *arg) {
     (void)arg;
     for (;;) {
@@ -965,8 +967,8 @@ static void evict(Connection *v, Evicted *e) {
     shutdown(v->peer_fd, SHUT_RDWR);
 }
 
-/* front.Front.admit: count `c`, closing the oldest connection without a hello of a full scope
-   for it -> 0, or -1 (refused, with an event). */
+/* front_state.Front.admit: count `c`, closing the oldest connection without a hello of a full
+   scope for it -> 0, or -1 (refused, with an event). */
 static int admit(Connection *c) {
     Evicted gone[2];
     int n_gone = 0, ok = 1;
@@ -1024,7 +1026,7 @@ static int admit(Connection *c) {
     return ok ? 0 : -1;
 }
 
-/* Under `lock`: `c`'s thread leaves (front.Front.forget). */
+/* Under `lock`: `c`'s thread leaves (front_state.Front.forget). */
 static void forget(Connection *c) {
     for (size_t i = 0; i < table_size; i++)
         if (table[i] == c) table[i] = NULL;

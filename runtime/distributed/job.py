@@ -15,7 +15,8 @@ import numpy as np
 
 from models import registry
 from models.model import Model
-from runtime.distributed.config import JobSpec, make_job_policy
+from runtime.distributed.bounds import make_job_policy
+from runtime.distributed.options import JobSpec
 from mpcache_jax.policy import AttentionPolicy
 
 

@@ -3,17 +3,18 @@
     records = run_loopback("experiments/nodes/3pc_aby3.json", output_dir="results/nodes",
                            policy="full")
 
-Each party is `python -m experiments.party --node_config=... --party=ID` with its own log
-file; the job succeeds only if every party exits 0 and the prompt owner wrote its record. On
-any failure the remaining parties get max(`link.peer_timeout_s`, `link.connect_timeout_s`)
-(+ a grace period) to exit on their own, then are killed; the raised `JobFailed` names the
-failing party (from the parties' own diagnoses) and quotes each party's last message.
+Each party is `python -m runtime.distributed.party_main --node_config=... --party=ID` with
+its own log file; the job succeeds only if every party exits 0 and the prompt owner wrote its
+record. On any failure the remaining parties get max(`link.peer_timeout_s`,
+`link.connect_timeout_s`) (+ a grace period) to exit on their own, then are killed; the raised
+`JobFailed` names the failing party (from the parties' own diagnoses) and quotes each party's
+last message.
 
 No child outlives the launcher: every party's process group is killed when the call returns or
 raises, when the launcher gets SIGTERM, SIGINT or SIGHUP (`Interrupted`, no result), and —
 should the launcher itself be killed outright — each party's supervisor and worker die with
-their parent (Linux PR_SET_PDEATHSIG, set by `bind_to_parent` in the child) before it could
-report anything.
+their parent (Linux PR_SET_PDEATHSIG, set by `process.bind_to_parent` in the child) before it
+could report anything.
 """
 from __future__ import annotations
 
@@ -30,15 +31,17 @@ import threading
 import time
 
 from runtime.distributed.config import (NodeConfig, NodeConfigError, is_loopback,
-                                        load_node_config, node_tag, parse_node_config)
+                                        load_node_config, parse_node_config)
+from runtime.distributed.party_front import check_own_port
+from runtime.distributed.process import child_env, node_tag
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # After the first party fails, the others get peer_timeout_s + this long to notice and exit
 # (probes run once a second, each waits up to 2 s).
 GRACE_S = 10.0
 
-
-PARENT_ENV = "MPCACHE_DIE_WITH_PARENT"
+# The runtime's own entry point of a party (a module of this package, run with -m).
+PARTY_MAIN = "runtime.distributed.party_main"
 INTERRUPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -61,28 +64,6 @@ class Interrupted(JobFailed):
         name = signal.Signals(signum).name
         super().__init__(f"interrupted by {name}: every party was stopped; no result", None, {})
         self.signum = signum
-
-
-def child_env(env: dict | None = None) -> dict:
-    """The environment for a child that must not outlive this process (see bind_to_parent)."""
-    return {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
-
-
-def bind_to_parent() -> None:
-    """In a child started with child_env(): die (SIGKILL) when the parent dies, even if the
-    parent is killed outright, and leave at once if it is already gone. Linux only (prctl
-    PR_SET_PDEATHSIG); elsewhere a no-op."""
-    parent = os.environ.pop(PARENT_ENV, None)
-    if not parent:
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):
-        os._exit(1)   # the parent died before prctl took effect
 
 
 @contextlib.contextmanager
@@ -131,7 +112,7 @@ def prepare_config(node_config: str | os.PathLike, output_dir: pathlib.Path,
         if not is_loopback(host):
             raise NodeConfigError(f"nodes[{pid!r}]={address!r} is not a loopback address: the "
                                   "loopback launcher starts every party on this machine; on "
-                                  "several hosts run `python -m experiments.party` on each")
+                                  "several hosts start each party on its own host")
     if use_free_ports:
         for pid, port in zip(list(raw["nodes"]), free_ports(len(raw["nodes"]))):
             raw["nodes"][pid] = f"127.0.0.1:{port}"
@@ -168,11 +149,12 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def start_parties(config: NodeConfig, config_path: pathlib.Path, output_dir: pathlib.Path,
                   env: dict | None = None, prompt_file: str | None = None,
-                  procs: dict[str, subprocess.Popen] | None = None
-                  ) -> dict[str, subprocess.Popen]:
-    """Start one `experiments.party` process per party (own session, so it can be killed
-    with its children; bound to this process, see bind_to_parent); stdout+stderr go to
-    output_dir/party_<id>.log. `prompt_file` goes to the prompt owner only. Each process is
+                  procs: dict[str, subprocess.Popen] | None = None,
+                  front_program: str | None = None) -> dict[str, subprocess.Popen]:
+    """Start one PARTY_MAIN process per party (own session, so it can be killed with its
+    children; bound to this process, see process.bind_to_parent); stdout+stderr go to
+    output_dir/party_<id>.log. `prompt_file` goes to the prompt owner only; `front_program`
+    (benchmarks only: party_front.start_front's `program`) to every party. Each process is
     added to `procs` (when given) as soon as it exists, so a caller's cleanup sees it even if
     a signal interrupts this call; if starting one fails, the ones already started are killed
     before the error propagates."""
@@ -180,10 +162,10 @@ def start_parties(config: NodeConfig, config_path: pathlib.Path, output_dir: pat
     try:
         for pid in config.party_ids:
             own = ([f"--prompt_file={prompt_file}"] if prompt_file and pid == config.prompt_owner
-                   else [])
+                   else []) + ([f"--front_program={front_program}"] if front_program else [])
             with open(output_dir / f"party_{node_tag(pid)}.log", "w") as logf:
                 procs[pid] = subprocess.Popen(
-                    [sys.executable, "-m", "experiments.party", f"--node_config={config_path}",
+                    [sys.executable, "-m", PARTY_MAIN, f"--node_config={config_path}",
                      f"--party={pid}", f"--output_dir={output_dir}", *own],
                     cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT,
                     start_new_session=True, env=child_env(env))
@@ -264,18 +246,18 @@ def one_line(config: NodeConfig, head: str, culprit: str | None, messages: dict[
 
 def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike | None = None,
                  use_free_ports: bool = False, prompt_file: str | None = None,
-                 **job_overrides) -> list[dict]:
+                 front_program: str | None = None, **job_overrides) -> list[dict]:
     """Run a node config's job with every party as a local process -> the prompt owner's new
     records (one per generation step, then the summary).
 
     `job_overrides` replace keys of the config's "job" (policy=..., seq_len=..., budget=...).
     Raises NodeConfigError before starting anything if the config is malformed, JobFailed if
     any party fails (no partial result is returned), Interrupted (a JobFailed) on SIGTERM,
-    SIGINT or SIGHUP. Every party is killed before this returns or raises.
+    SIGINT or SIGHUP. Every party is killed before this returns or raises. `front_program`:
+    benchmarks only (start_parties).
     """
     out = pathlib.Path(output_dir or tempfile.mkdtemp(prefix="mpcache_nodes_"))
     config, path = prepare_config(node_config, out, use_free_ports, **job_overrides)
-    from runtime.distributed.party import check_own_port
     for pid in config.party_ids:
         check_own_port(config, pid)       # AddressInUse before any party starts
     results = out / "results.jsonl"
@@ -283,7 +265,8 @@ def run_loopback(node_config: str | os.PathLike, output_dir: str | os.PathLike |
     procs: dict[str, subprocess.Popen] = {}
     with interruptible():
         try:
-            start_parties(config, path, out, prompt_file=prompt_file, procs=procs)
+            start_parties(config, path, out, prompt_file=prompt_file, procs=procs,
+                          front_program=front_program)
             wait_parties(config, procs, out, config.job.timeout_s)
         finally:
             for p in procs.values():

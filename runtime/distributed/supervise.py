@@ -2,13 +2,13 @@
 
 yacl's link layer ends the whole process (exit status 255, no Python exception) when an
 asynchronous send to a vanished peer exhausts its retries, so a party cannot always report a
-dead peer itself. `python -m experiments.party` therefore runs the party as a worker child and
-supervises it: a worker that dies without its own diagnosis is explained from the link errors
+dead peer itself. A party's process (party_main) therefore runs the party as a worker child
+and supervises it: a worker that dies without its own diagnosis is explained from the link errors
 in its SPU log (which name the peer's address), a worker that outlives `job.timeout_s` is
 killed, and a worker killed by SIGKILL is reported as the likely out-of-memory kill it is.
 Either way the party exits non-zero with one `error:` line naming the failed party.
 SIGTERM / SIGINT / SIGHUP to the supervisor kill the worker first (exit 128 + signal), and the
-worker dies with the supervisor should it be killed outright (launch.bind_to_parent).
+worker dies with the supervisor should it be killed outright (process.bind_to_parent).
 """
 from __future__ import annotations
 
@@ -19,11 +19,14 @@ import subprocess
 import sys
 import time
 
-from runtime.distributed.config import NodeConfig, estimate_party_memory
-from runtime.distributed.launch import Interrupted, child_env, interruptible
-from runtime.distributed.party import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, PRIVATE_DIR_ENV,
-                                       blame, failing_peer, front_events_path,
-                                       make_private_dir, remove_private_dir, spu_log_path)
+from runtime.distributed.blame import blame, failing_peer
+from runtime.distributed.bounds import estimate_party_memory
+from runtime.distributed.config import NodeConfig
+from runtime.distributed.launch import Interrupted, interruptible
+from runtime.distributed.party import spu_log_path
+from runtime.distributed.party_front import front_events_path
+from runtime.distributed.process import (EXIT_CONFIG, EXIT_OK, EXIT_PEER, PRIVATE_DIR_ENV,
+                                         child_env, make_private_dir, remove_private_dir)
 
 _LINK_ERROR = re.compile(r"\[(error|warning)\]|failed|timeout|Not connected", re.IGNORECASE)
 
