@@ -146,9 +146,22 @@ def _pairwise_rank(s: jax.Array) -> jax.Array:
 TOURNAMENT_FANIN = 16
 
 
-def group_max(x: jax.Array, size: int) -> jax.Array:
+def tournament_fanins(size: int) -> list[int]:
+    """The fan-in of each stage of `group_max`'s tournament over groups of `size` entries
+    (a power of two): TOURNAMENT_FANIN until fewer are left, e.g. 64 -> [16, 4]."""
+    fanins, left = [], size
+    while left > 1:
+        fanins.append(min(left, TOURNAMENT_FANIN))
+        left //= fanins[-1]
+    return fanins
+
+
+def group_max(x: jax.Array, size: int, per_group: int = 1) -> jax.Array:
     """Maximum of each run of `size` consecutive entries of the last axis: [..., n * size] ->
-    [..., n]; size a power of two.
+    [..., n]; size a power of two. With per_group = r > 1 (a power of two dividing size), the
+    maxima of its r runs of size / r: [..., n, r] (what the tournament holds before its last
+    stage when that stage's fan-in is r: a top-1 over the r x n partial maxima picks the group
+    of the top-1 over the n maxima, one stage sooner).
 
     In plaintext a reduction. Under MPC (`secure_trace`) a tournament: groups of up to
     TOURNAMENT_FANIN entries are ranked at once (`_pairwise_rank`: one batch of comparisons),
@@ -159,23 +172,23 @@ def group_max(x: jax.Array, size: int) -> jax.Array:
     bit (one winner per group, ties to the lower index)."""
     if size & (size - 1) or size < 1:
         raise ValueError(f"group size {size} must be a power of two")
+    if per_group < 1 or per_group & (per_group - 1) or size % per_group:
+        raise ValueError(f"per_group={per_group} must be a power of two dividing {size}")
     n = x.shape[-1] // size
     if n * size != x.shape[-1]:
         raise ValueError(f"{x.shape[-1]} entries are not whole groups of {size}")
+    run = size // per_group
     if not tracing_for_mpc():
-        return jnp.max(x.reshape(*x.shape[:-1], n, size), axis=-1)
-    fanins = []
-    left = size
-    while left > 1:
-        fanins.append(min(left, TOURNAMENT_FANIN))
-        left //= fanins[-1]
-    for f in fanins:
-        groups = x.reshape(*x.shape[:-1], -1, f)
-        winner = (_pairwise_rank(groups) == 0).astype(jnp.int32)
-        # (elementwise, not a batched product: SPU runs a batched dot_general one group at a
-        # time, a round each)
-        x = jnp.sum(winner * groups, axis=-1)
-    return x
+        out = jnp.max(x.reshape(*x.shape[:-1], n * per_group, run), axis=-1)
+    else:
+        for f in tournament_fanins(run):
+            groups = x.reshape(*x.shape[:-1], -1, f)
+            winner = (_pairwise_rank(groups) == 0).astype(jnp.int32)
+            # (elementwise, not a batched product: SPU runs a batched dot_general one group at
+            # a time, a round each)
+            x = jnp.sum(winner * groups, axis=-1)
+        out = x
+    return out if per_group == 1 else out.reshape(*out.shape[:-1], n, per_group)
 
 
 def indices_onehot(idx: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:

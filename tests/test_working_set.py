@@ -160,3 +160,38 @@ def test_bad_settings_and_buckets_are_refused_with_the_setting_named():
         make_policy("mpcache", 0.1).check_bucketed(1100, 1025, 2048)
     make_policy("mpcache", 0.1).check_bucketed(1100, 1025, 1536)
     make_policy("mpcache", 0.1).check_bucketed(1600, 1537, 2048)
+
+
+@pytest.mark.parametrize("T,cluster,ties", [(1200, 32, False), (2400, 64, False),
+                                            (2400, 64, True), (1500, 16, False)])
+def test_secure_selection_ranks_partial_maxima_and_picks_the_same_clusters(T, cluster, ties):
+    """Under MPC with one pick per stripe, the stripe's top-1 ranks the cluster-max
+    tournament's partial maxima (its last stage's r runs per cluster: 2 for clusters of 32, 4
+    for 64) instead of running that stage: the same clusters as the plaintext reduction,
+    including ties (lower cluster first). Clusters of 16 (one stage) rank whole maxima."""
+    wide = make_policy("mpcache", 0.1, cluster_size=cluster)
+    m, _ = wide.plan(T)                       # as many stripes as clusters picked: one each
+    policy = make_policy("mpcache", 0.1, cluster_size=cluster,
+                         stripes=m * wide.stripes_of(geometry_length(T)))
+    state, k, _ = _layer(policy, T, 4, seed=3, Hkv=4, d=8)
+    geo = policy.geometry(E.Extent(T, T))
+    m, start = policy.plan(T)
+    assert geo.picks == 1 and m == 1
+    with P.secure_trace():
+        runs = policy.fused_runs(geo)
+    assert runs == {16: 1, 32: 2, 64: 4}[cluster]
+    assert policy.fused_runs(geo) == 1                    # plaintext: the plain reduction
+    rng = np.random.RandomState(5)
+    for trial in range(6):
+        q = rng.randn(4 * 2, 8).astype(np.float32)
+        if ties:   # every key the same but for a few: many clusters share their maximum
+            keys = np.asarray(state.k)
+            flat = np.where(rng.rand(*keys.shape) < 0.97, 1.0, keys).astype(np.float32)
+            state = state.replace(k=jnp.asarray(flat))
+        plain = policy.select(jnp.asarray(q), state, geo, m, start)
+        with P.secure_trace():
+            secure = jax.jit(lambda q, s: policy.select(q, s, geo, m, start))(jnp.asarray(q),
+                                                                              state)
+        np.testing.assert_array_equal(np.asarray(secure[0]), np.asarray(plain[0]))
+        np.testing.assert_array_equal(np.asarray(secure[1]), np.asarray(plain[1]))
+        assert np.asarray(plain[0]).sum() == geo.stripes * np.asarray(plain[0]).shape[0]

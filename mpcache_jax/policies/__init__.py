@@ -33,7 +33,7 @@ _REGISTRY: dict[str, tuple[Callable[..., AttentionPolicy], dict]] = {
     # publicly and for free (StreamingLLM's positional choice, no secure computation). Costed
     # beside the others by the MPC benchmarks; its outputs are streaming_llm's.
     "oracle": (StreamingLLM, {}),
-    # our default: working_set.py (docs/results.md "Choosing the default")
+    # our default: working_set.py (docs/design.md, docs/results.md "The default")
     "mpcache": (WorkingSetMPCache, {}),
     # every-step hierarchical selection over the whole cache (mpcache.py): full's tokens far
     # more often, at full's compute under MPC

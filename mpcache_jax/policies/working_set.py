@@ -56,6 +56,9 @@ AUTO_HEAD_MAX_KV_HEADS = 4
 # cluster_size=0: the cluster size is the geometry length (the power of two at or above the
 # prompt length) over this many candidate clusters, within [MIN_CLUSTER, MAX_CLUSTER].
 MIN_CLUSTER, MAX_CLUSTER = 8, 256
+# Widest last tournament stage a stripe's top-1 takes over (`fused_runs`): its ranking grows
+# with (r n_b)^2, the stage it saves is two comparison rounds.
+FUSED_MAX_RUNS = 8
 
 
 def geometry_length(t: int) -> int:
@@ -103,7 +106,9 @@ class WorkingSetLayer:
     """One layer's decode state.
 
     k, v: [H_kv, C c, d] the prompt region (the dense prefill cache, padded to whole
-    clusters); striped: the middle clusters' keys and values as a selection gathers them, laid
+    clusters); with token_major, k is [C c, H_kv, d] (a selection shared by the heads scores
+    every token with one product [C c, H_kv d] x [H_kv d]: under ABY3 ~14x less compute than
+    the same sum as a product per head at 4096 tokens; read through `prompt_keys`); striped: the middle clusters' keys and values as a selection gathers them, laid
     out once here ([S, n_b, H_kv c 2d] for a selection shared by the heads, [H_kv, S, n_b,
     c 2d] per head: `stripe_rows`) so that no selection moves the whole region into its
     layout again (a secret copy of every slot: 3.3 s of a 3.8 s selection per layer at 8192
@@ -127,11 +132,27 @@ class WorkingSetLayer:
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
     length: jax.Array | None = public_field(default=None)
     low: int = flax.struct.field(pytree_node=False, default=1)
+    token_major: bool = flax.struct.field(pytree_node=False, default=False)
 
     def extent(self) -> E.Extent:
         if self.length is None:
             return E.Extent(self.prompt_len, self.prompt_len)
         return E.Extent(self.prompt_len, self.length, self.low)
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """(H_kv, d)."""
+        return self.v.shape[0], self.v.shape[-1]
+
+    def prompt_keys(self, begin, size: int) -> jax.Array:
+        """Keys of prompt slots [begin, begin + size): [H_kv, size, d]; begin an int or an
+        int32 scalar (public)."""
+        axis = 0 if self.token_major else 1
+        if isinstance(begin, (int, np.integer)):
+            part = jax.lax.slice_in_dim(self.k, begin, begin + size, axis=axis)
+        else:
+            part = jax.lax.dynamic_slice_in_dim(self.k, begin, size, axis=axis)
+        return part.transpose(1, 0, 2) if self.token_major else part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,12 +337,15 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 total = jnp.sum(k.reshape(Hkv, geo.clusters, geo.cluster, d) * w, axis=2)
                 digest = total / jnp.maximum(jnp.sum(w, axis=2), 1.0)
             zeros = jnp.zeros((Hkv, geo.working, d), k.dtype)
+            token_major = rows == 1 and not cosine and self.cluster_score == "max"
             out.append(WorkingSetLayer(
-                k, v, self.stripe_rows(k, v, geo, rows), digest,
+                k.transpose(1, 0, 2) if token_major else k, v,
+                self.stripe_rows(k, v, geo, rows), digest,
                 P.inverse_norms(k) if cosine else None, zeros, zeros,
                 jnp.zeros((rows, geo.stripes * geo.picks), jnp.int32),
                 new_region(layer, max_new_tokens), prompt_len=T,
-                length=None if extent.static else extent.length, low=extent.low))
+                length=None if extent.static else extent.length, low=extent.low,
+                token_major=token_major))
         return tuple(out)
 
     def uses_cosine(self, aux) -> bool:
@@ -335,9 +359,12 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         return int(new.capacity - new.length)
 
     # --- selection -----------------------------------------------------------------------------
-    def cluster_scores(self, q: jax.Array, state: WorkingSetLayer, geo: Geometry) -> jax.Array:
-        """[R, C] every cluster's score for this step's query q [H, d]."""
-        Hkv, S_, d = state.k.shape
+    def cluster_scores(self, q: jax.Array, state: WorkingSetLayer, geo: Geometry,
+                       per_cluster: int = 1) -> jax.Array:
+        """[R, C] every cluster's score for this step's query q [H, d]; with per_cluster = r >
+        1 (`cluster_score="max"` only) the maxima of each cluster's r runs of c / r tokens:
+        [R, C, r]."""
+        Hkv, d = state.kv_heads
         G = q.shape[0] // Hkv
         qg = q.reshape(Hkv, G, d) * (1.0 / math.sqrt(d))
         per_layer = self.scope_for(Hkv) == "layer"
@@ -349,32 +376,54 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         cosine = state.inv_norms is not None
         if cosine:
             qg = P.unit_rows(qg)
-        if self.group_reduce == "sum" or G == 1:
-            if per_layer and not cosine:
-                token = jnp.einsum("hd,htd->t", jnp.sum(qg, axis=1), state.k)[None]   # [1, T]
+        if state.token_major:                     # per layer, dot products: k [T, H_kv, d]
+            if self.group_reduce == "sum" or G == 1:
+                flat = state.k.reshape(state.k.shape[0], Hkv * d)
+                token = (flat @ jnp.sum(qg, axis=1).reshape(Hkv * d))[None]           # [1, T]
             else:
-                token = jnp.einsum("hd,htd->ht", jnp.sum(qg, axis=1), state.k)        # [H_kv, T]
+                token = jnp.max(jnp.einsum("hgd,thd->hgt", qg, state.k), axis=1)       # [H_kv, T]
+        elif self.group_reduce == "sum" or G == 1:
+            token = jnp.einsum("hd,htd->ht", jnp.sum(qg, axis=1), state.k)            # [H_kv, T]
         else:
             token = jnp.max(jnp.einsum("hgd,htd->hgt", qg, state.k), axis=1)           # [H_kv, T]
         if cosine:
             token = token * state.inv_norms
         if per_layer and token.shape[0] > 1:
             token = jnp.sum(token, axis=0, keepdims=True)
-        return P.group_max(token, geo.cluster)                                         # [R, C]
+        return P.group_max(token, geo.cluster, per_cluster)                 # [R, C] / [R, C, r]
+
+    def fused_runs(self, geo: Geometry) -> int:
+        """Under MPC with one pick per stripe: the fan-in r of the cluster-max tournament's last
+        stage when the top-1 of each stripe can take that stage's place (its r x n_b partial
+        maxima ranked at once pick the same cluster, ties to the lower index as before: one
+        stage = two comparison rounds fewer per refresh). 1: no fusion (plaintext, m_max > 1,
+        mean scores, a one-stage tournament, or a last stage wider than FUSED_MAX_RUNS)."""
+        if (geo.picks != 1 or self.cluster_score != "max" or not P.tracing_for_mpc()):
+            return 1
+        fanins = P.tournament_fanins(geo.cluster)
+        if len(fanins) < 2 or fanins[-1] > FUSED_MAX_RUNS:
+            return 1
+        return fanins[-1]
 
     def select(self, q: jax.Array, state: WorkingSetLayer, geo: Geometry, m, start):
         """This step's choice: integer one-hot [R, S, m_max, n_b] over each stripe's candidate
         slots (rows past m zero), and the middle cluster of each picked row [R, S m_max]."""
         S, n = geo.stripes, geo.per_stripe
-        scores = self.cluster_scores(q, state, geo)[:, 1:]                  # middle clusters
-        R, C_mid = scores.shape
-        scores = jnp.pad(scores, ((0, 0), (0, S * n - C_mid)))
+        r = self.fused_runs(geo)
+        scores = self.cluster_scores(q, state, geo, r)[:, 1:]               # middle clusters
+        scores = scores.reshape(scores.shape[0], -1, r)                       # [R, C_mid, r]
+        R, C_mid, _ = scores.shape
+        scores = jnp.pad(scores, ((0, 0), (0, S * n - C_mid), (0, 0)))
         index = np.arange(S * n).reshape(n, S).T                              # [S, n] public
         middle = start // geo.cluster - 1                    # middle clusters before the window
         valid = ((index < middle).astype(np.float32) if isinstance(middle, (int, np.integer))
                  else (jnp.asarray(index) < middle).astype(scores.dtype))
-        striped = scores.reshape(R, n, S).transpose(0, 2, 1)                  # [R, S, n]
-        onehot = P.topk_onehot(striped, m, geo.picks, valid=valid)            # [R, S, m, n]
+        striped = scores.reshape(R, n, S, r).transpose(0, 2, 1, 3).reshape(R, S, n * r)
+        repeat = np.repeat if isinstance(valid, np.ndarray) else jnp.repeat
+        onehot = P.topk_onehot(striped, m, geo.picks,
+                               valid=repeat(valid, r, axis=-1))               # [R, S, m, n r]
+        if r > 1:   # the cluster of the picked run (one pick: a sum of r columns)
+            onehot = jnp.sum(onehot.reshape(R, S, geo.picks, n, r), axis=-1)  # [R, S, m, n]
         picked = jnp.einsum("rsmn,sn->rsm", onehot, jnp.asarray(index, jnp.int32))
         return onehot, picked.reshape(R, S * geo.picks)
 
@@ -399,7 +448,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         """The picked clusters' keys and values -> ([H_kv, W, d], [H_kv, W, d]): one product
         [m_max, n_b] x [n_b, row] per stripe (per stripe and KV head for a per-head selection)
         over the rows laid out at compress (`stripe_rows`)."""
-        Hkv, _, d = state.k.shape
+        Hkv, d = state.kv_heads
         S, c, m = geo.stripes, geo.cluster, geo.picks
         if onehot.shape[0] == 1:
             out = P.gather_rows(onehot[0], state.striped, loop=True)         # [S, m, H_kv c 2d]
@@ -448,18 +497,18 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         c, r = geo.cluster, geo.recent
         if isinstance(start, (int, np.integer)):
             begin = min(start, geo.region - r)
-            recent_k, recent_v = (x[:, begin:begin + r] for x in (state.k, state.v))
+            recent_k, recent_v = state.prompt_keys(begin, r), state.v[:, begin:begin + r]
             slots = np.arange(begin, begin + r)
             recent_valid = ((slots >= start) & (slots < extent.length)).astype(np.float32)
             sink_valid = (np.arange(c) < min(c, extent.length)).astype(np.float32)
         else:
             begin = jnp.minimum(start, geo.region - r)
-            recent_k, recent_v = (jax.lax.dynamic_slice_in_dim(x, begin, r, axis=1)
-                                  for x in (state.k, state.v))
+            recent_k = state.prompt_keys(begin, r)
+            recent_v = jax.lax.dynamic_slice_in_dim(state.v, begin, r, axis=1)
             slots = begin + jnp.arange(r)
             recent_valid = ((slots >= start) & (slots < extent.length)).astype(jnp.float32)
             sink_valid = (jnp.arange(c) < jnp.minimum(c, extent.length)).astype(jnp.float32)
-        parts_k = [state.k[:, :c], state.working_k, recent_k, new.k]
+        parts_k = [state.prompt_keys(0, c), state.working_k, recent_k, new.k]
         parts_v = [state.v[:, :c], state.working_v, recent_v, new.v]
         parts_valid = [sink_valid, self.working_valid(geo, m), recent_valid, new.valid()]
         if all(isinstance(x, np.ndarray) for x in parts_valid[:3]):
@@ -484,7 +533,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         extent = state.extent()
         geo = self.geometry(extent)
         m, start = self.counts(extent)
-        Hkv = state.k.shape[0]
+        Hkv = state.kv_heads[0]
         slots = jnp.arange(geo.region)
         cluster = slots // geo.cluster
         attended = (cluster == 0) | ((slots >= start) & (slots < extent.length))
