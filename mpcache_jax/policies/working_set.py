@@ -53,9 +53,11 @@ SELECT_SCOPES = ("auto", "layer", "head")
 # (SmolLM2's 3, Gemma 3's 1), else one per layer shared by its heads (a per-head selection
 # multiplies the ranking and the gather's rounds by the KV heads).
 AUTO_HEAD_MAX_KV_HEADS = 4
-# cluster_size=0: the cluster size is the geometry length (the power of two at or above the
-# prompt length) over this many candidate clusters, within [MIN_CLUSTER, MAX_CLUSTER].
-MIN_CLUSTER, MAX_CLUSTER = 8, 256
+# cluster_size=0: the cluster size is the power of two at or below the geometry length over
+# `candidates`, within [MIN_CLUSTER, MAX_CLUSTER]. Clusters of 4 below 1024 tokens: a short
+# prompt's budget holds few clusters, and one 8-token cluster is too coarse a working set
+# (the main job's 173-token prompt at 48 tokens lost its answer with 8, keeps it with 4).
+MIN_CLUSTER, MAX_CLUSTER = 4, 256
 # Widest last tournament stage a stripe's top-1 takes over (`fused_runs`): its ranking grows
 # with (r n_b)^2, the stage it saves is two comparison rounds.
 FUSED_MAX_RUNS = 8
@@ -163,7 +165,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     refresh_every: decode steps between two selections (1 = every step); the schedule counts
       generated tokens, so it is public.
     cluster_size: tokens per cluster; 0 = the geometry length / `candidates` (bounded number
-      of candidates: the cluster grows with the prompt), within [8, 256].
+      of candidates: the cluster grows with the prompt), within [4, 256].
     candidates: clusters a prompt of the geometry length is cut into (cluster_size=0).
     stripes: S, the rows the selection ranks (each keeps its best m clusters); 0 = as many
       as the budget of the smallest prompt of the geometry length holds clusters, so m >= 1
