@@ -94,10 +94,7 @@ def make_job_policy(job: JobSpec, budget: Any = _JOB_BUDGET):
 
 def _serves(job: JobSpec, budget, prompt_len: int) -> bool:
     try:
-        policy = make_job_policy(job, budget)
-        check = getattr(policy, "check_prompt", None)
-        if check is not None:
-            check(prompt_len)
+        make_job_policy(job, budget).check_prompt(prompt_len)
     except (TypeError, ValueError, LookupError, AttributeError):
         return False
     return True
@@ -149,16 +146,13 @@ def check_policy_serves(job: JobSpec, prompt_len: int) -> None:
     except (TypeError, ValueError, LookupError, AttributeError) as err:
         raise NodeConfigError(f"job.policy={job.policy!r} with job.budget={job.budget!r} and "
                               f"job.policy_options={job.policy_options}: {err}") from None
-    check = getattr(policy, "check_prompt", None)
-    if check is None:
-        return
     try:
-        check(prompt_len)
+        policy.check_prompt(prompt_len)
     except ValueError as err:
         ratio = job.budget is None or isinstance(job.budget, float)
         fit = smallest_budget(job, prompt_len, ratio)
         given = (f"job.budget={budget_text(job.budget)}" if job.budget is not None else
-                 f"job.budget (unset: {job.policy}'s default {getattr(policy, 'budget', None)})")
+                 f"job.budget (unset: {job.policy}'s default {policy.budget})")
         options = f" and job.policy_options={job.policy_options}" if job.policy_options else ""
         if fit is None:
             raise NodeConfigError(
