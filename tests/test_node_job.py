@@ -104,8 +104,8 @@ def test_sweeps_run_the_job_per_policy_budget_and_length(parse):
 @pytest.mark.parametrize("argv,says", [
     (["--max_new_tokens=4090"], "--max_new_tokens=4090 = 4154 exceeds llama-tiny's context"),
     (["--experiment=accuracy", "--seq_lens=64,5000"], "--seq_lens=5000 + job.max_new_tokens=2"),
-    (["--policies=mpcache", "--budgets=4"], "the smallest budget that serves the job's "
-     "64-token prompt is --budgets=8 (8 tokens)"),
+    (["--policies=mpcache", "--budgets=2"], "the smallest budget that serves the job's "
+     "64-token prompt is --budgets=4 (4 tokens)"),
     (["--policies=orcale"], "--policies=orcale is unknown"),
     (["--model=llama-9000"], "--model=llama-9000 is unknown"),
     (["--prompt=hello"], "--prompt: the node config's job.model=llama-tiny has no tokenizer"),
@@ -188,8 +188,8 @@ def test_an_impossible_budget_exits_2_naming_the_smallest_that_fits(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     [line] = error_lines(proc.stderr)
     assert line.startswith("error: --budgets=0.01: ") and "Traceback" not in proc.stderr
-    assert "the smallest budget that serves the job's 64-token prompt is --budgets=0.11 " \
-           "(8 tokens; or --budgets=8, a token count)" in line
+    assert "the smallest budget that serves the job's 64-token prompt is --budgets=0.05 " \
+           "(4 tokens; or --budgets=4, a token count)" in line
     # The launcher never ran: it writes the effective config and a log per party first.
     assert not out.exists() or not list(out.iterdir())
 
