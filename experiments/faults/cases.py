@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import time
 from typing import Callable
@@ -788,8 +789,12 @@ def party_cases() -> list:
             flood_sockets.pop().close()
         message = flood_message(front_events_path(folder / "out", "node:0")) or ""
         results = (folder / "out" / "results.jsonl").exists()
+        # The front counts a flooding connection when it closes it (at its frame deadline); a
+        # run that ends sooner leaves the rest uncounted, so the count varies with the run's
+        # length: what must hold is that the flooding address is the one named.
+        named = re.match(r"127\.0\.0\.1 held (\d+) connections without a hello", message)
         return "; ".join(x for x in (
-            "" if message.startswith("127.0.0.1 held 260 connections without a hello")
+            "" if named and 0 < int(named.group(1)) <= 260
             else f"node:0's front said {message!r}", "" if results else "no results.jsonl")
             if x)
 
@@ -878,7 +883,8 @@ def party_cases() -> list:
                     "started; 260 connections send node:0's port b'PRPC' and nothing more; "
                     "then node:2 starts (the run died, node:0 and node:1 blaming each other, "
                     "before)", "the run completes (every party exits 0); node:0's front "
-                    "names the flood: '127.0.0.1 held 260 connections without a hello'",
+                    "names the flood: '127.0.0.1 held N connections without a hello' (N: those closed "
+                    "at their deadline before the run ended, up to 260)",
                     two_first(), parties3, (), fault=flood_node0, fault_after="] linking to",
                     judge_exit=0, check=flood_named, timeout_s=240, summary=flood_summary),
         PartiesCase("tls: local writers to the front's sockets", "under TLS, once linked, a "
