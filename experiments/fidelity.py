@@ -32,7 +32,7 @@ import numpy as np
 from experiments import common, metrics
 from mpcache_jax import analysis
 from mpcache_jax.cache import policy_layers
-from runtime.generate import apply_policy
+from runtime.generate import apply_policy, check_serves
 
 
 @dataclasses.dataclass
@@ -76,14 +76,6 @@ def mechanism(model, params, policy, dense, aux, logits, start_pos: int, ref: Re
         [np.asarray(s.attended) for s in policy_layers(cache)], keep)
     out["select"] = [analysis.span_coverage(m, spans) for m in attended]
     return out
-
-
-def check_policy(policy, prompt_len: int, aux) -> None:
-    """Raise ValueError when the policy's configuration cannot serve this prompt length (e.g.
-    a budget smaller than its always-selected clusters) or this bucket."""
-    policy.check_prompt(prompt_len)
-    if aux.length is not None:
-        policy.check_bucketed(prompt_len, aux.min_length, aux.prompt_len)
 
 
 def sample_steps(sample, max_new_tokens: int) -> int:
@@ -196,7 +188,7 @@ def evaluate_batch(loaded, samples, policies, *, max_new_tokens: int, agree_toke
         problems = []
         for i, sample in enumerate(samples):
             try:
-                check_policy(policy, len(sample.prompt_ids), take_sample(aux, i))
+                check_serves(policy, len(sample.prompt_ids), take_sample(aux, i))
                 problems.append(None)
             except ValueError as err:   # this configuration cannot serve this prompt length
                 problems.append(str(err))

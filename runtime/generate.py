@@ -68,9 +68,17 @@ def apply_policy(policy: AttentionPolicy, cache, aux: PrefillAux, max_new_tokens
     (`full`) gets a copy, so the prefill cache can serve further policies.
     """
     if aux.length is not None:  # bucketed: the policy checks the real length here
-        policy.check_prompt(int(aux.length))
-        policy.check_bucketed(int(aux.length), aux.min_length, aux.prompt_len)
+        check_serves(policy, int(aux.length), aux)
     return unaliased(compress_cache(policy, cache, aux, max_new_tokens), cache)
+
+
+def check_serves(policy: AttentionPolicy, prompt_len: int, aux: PrefillAux) -> None:
+    """Raise ValueError saying what to change when `policy` cannot serve a prompt of
+    `prompt_len` real tokens (its check_prompt) or, for a prompt padded to a bucket
+    (aux.length set), the bucket's slots (its check_bucketed)."""
+    policy.check_prompt(prompt_len)
+    if aux.length is not None:
+        policy.check_bucketed(prompt_len, aux.min_length, aux.prompt_len)
 
 
 # Token id written into the padding of a bucketed prompt (never attended: causal attention
