@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from models import registry
-from mpcache_jax.cache import LayerKV, append_token, public_field, secret_field
+from mpcache_jax.cache import LayerKV, public_field
 from mpcache_jax.policies import POLICY_NAMES, make_policy
 from mpcache_jax.policy import AttentionPolicy
 from runtime.generate import apply_policy
@@ -40,27 +40,6 @@ class TaggedKV(LayerKV):
     tag: jax.Array = None
 
 
-@dataclasses.dataclass(frozen=True)
-class TaggingPolicy(AttentionPolicy):
-    name: str = "tagging"
-
-    def compress(self, cache, aux, max_new_tokens):
-        return tuple(TaggedKV(layer.k, layer.v, layer.length, jnp.zeros(())) for layer in cache)
-
-    def attend(self, layer, q, k_new, v_new, state, carry):
-        out, appended, carry = super().attend(layer, q, k_new, v_new, state, carry)
-        return out, state.replace(k=appended.k, v=appended.v, length=appended.length), carry
-
-
-def test_a_field_without_a_declared_visibility_cannot_enter_a_secure_program():
-    lm = registry.load("llama-tiny", num_layers=2)
-    progs = StepPrograms(lm.model, TaggingPolicy(), 16, 4)
-    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lm.params)
-    with pytest.raises(ValueError, match=r"TaggedKV\.tag declares no visibility: define it "
-                                         r"with mpcache_jax\.cache\.secret_field\(\)"):
-        progs.decode_visibility(shapes)
-
-
 @flax.struct.dataclass
 class LeakyKV(LayerKV):
     """A field declared public whose value is computed from secrets."""
@@ -68,24 +47,41 @@ class LeakyKV(LayerKV):
 
 
 @dataclasses.dataclass(frozen=True)
-class LeakyPolicy(AttentionPolicy):
-    name: str = "leaky"
+class ExtraFieldPolicy(AttentionPolicy):
+    """`full`'s attention over a LayerKV subclass with one more field (`extra`), set at
+    compress to zeros and, when `from_key`, to the new key's sum at every step."""
+    name: str = "extra_field"
+    state_type: type = TaggedKV
+    extra: str = "tag"
+    from_key: bool = False
 
     def compress(self, cache, aux, max_new_tokens):
-        return tuple(LeakyKV(layer.k, layer.v, layer.length, jnp.zeros(())) for layer in cache)
+        return tuple(self.state_type(layer.k, layer.v, layer.length, jnp.zeros(()))
+                     for layer in cache)
 
     def attend(self, layer, q, k_new, v_new, state, carry):
         out, appended, carry = super().attend(layer, q, k_new, v_new, state, carry)
+        extra = {self.extra: jnp.sum(k_new)} if self.from_key else {}
         return out, state.replace(k=appended.k, v=appended.v, length=appended.length,
-                                  peek=jnp.sum(k_new)), carry
+                                  **extra), carry
+
+
+def _decode_visibility(policy):
+    lm = registry.load("llama-tiny", num_layers=2)
+    progs = StepPrograms(lm.model, policy, 16, 4)
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lm.params)
+    return progs.decode_visibility(shapes)
+
+
+def test_a_field_without_a_declared_visibility_cannot_enter_a_secure_program():
+    with pytest.raises(ValueError, match=r"TaggedKV\.tag declares no visibility: define it "
+                                         r"with mpcache_jax\.cache\.secret_field\(\)"):
+        _decode_visibility(ExtraFieldPolicy())
 
 
 def test_a_field_declared_public_that_depends_on_a_secret_is_refused():
-    lm = registry.load("llama-tiny", num_layers=2)
-    progs = StepPrograms(lm.model, LeakyPolicy(), 16, 4)
-    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lm.params)
     with pytest.raises(ValueError, match=r"\.peek are declared public but depend on a secret"):
-        progs.decode_visibility(shapes)
+        _decode_visibility(ExtraFieldPolicy(state_type=LeakyKV, extra="peek", from_key=True))
     declared = cache_visibility(LeakyKV(jnp.zeros(2), jnp.zeros(2), jnp.zeros(()), jnp.zeros(())))
     assert (declared.k, declared.length, declared.peek) == (SECRET, PUBLIC, PUBLIC)
 
