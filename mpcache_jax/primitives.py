@@ -26,8 +26,13 @@ def _adjust(scores, valid, forced):
     if forced is not None:
         scores = scores + FORCE_SCORE * forced.astype(scores.dtype)
     if valid is not None:
-        valid = valid.astype(scores.dtype)
-        scores = scores * valid - 2.0 * FORCE_SCORE * (1.0 - valid)
+        if isinstance(valid, np.ndarray) or valid.dtype == jnp.bool_:
+            # a select, no product: under MPC a product with a 0/1 float costs a truncation
+            scores = jnp.where(np.asarray(valid, bool) if isinstance(valid, np.ndarray)
+                               else valid, scores, jnp.asarray(-2.0 * FORCE_SCORE, scores.dtype))
+        else:
+            valid = valid.astype(scores.dtype)
+            scores = scores * valid - 2.0 * FORCE_SCORE * (1.0 - valid)
     return scores
 
 
@@ -146,17 +151,22 @@ def _pairwise_rank(s: jax.Array) -> jax.Array:
 TOURNAMENT_FANIN = 16
 
 
-def tournament_fanins(size: int) -> list[int]:
+def tournament_fanins(size: int, fanin: int = TOURNAMENT_FANIN) -> list[int]:
     """The fan-in of each stage of `group_max`'s tournament over groups of `size` entries
-    (a power of two): TOURNAMENT_FANIN until fewer are left, e.g. 64 -> [16, 4]."""
+    (a power of two): `fanin` until fewer are left, e.g. 64 -> [16, 4] (fanin 16) or [4, 4, 4]
+    (fanin 4). A stage of fan-in f costs (f - 1) / 2 comparisons per entry it ranks and two
+    comparison rounds: wide stages save rounds, narrow ones comparisons."""
+    if fanin < 2 or fanin & (fanin - 1):
+        raise ValueError(f"tournament fan-in {fanin} must be a power of two >= 2")
     fanins, left = [], size
     while left > 1:
-        fanins.append(min(left, TOURNAMENT_FANIN))
+        fanins.append(min(left, fanin))
         left //= fanins[-1]
     return fanins
 
 
-def group_max(x: jax.Array, size: int, per_group: int = 1) -> jax.Array:
+def group_max(x: jax.Array, size: int, per_group: int = 1,
+              fanin: int = TOURNAMENT_FANIN) -> jax.Array:
     """Maximum of each run of `size` consecutive entries of the last axis: [..., n * size] ->
     [..., n]; size a power of two. With per_group = r > 1 (a power of two dividing size), the
     maxima of its r runs of size / r: [..., n, r] (what the tournament holds before its last
@@ -164,12 +174,13 @@ def group_max(x: jax.Array, size: int, per_group: int = 1) -> jax.Array:
     of the top-1 over the n maxima, one stage sooner).
 
     In plaintext a reduction. Under MPC (`secure_trace`) a tournament: groups of up to
-    TOURNAMENT_FANIN entries are ranked at once (`_pairwise_rank`: one batch of comparisons),
-    the entry of rank 0 is found by one equality test and kept by an integer x fixed-point
-    product. A stage costs two comparison rounds whatever its fan-in, where a reduction spends
-    one comparison and one selection per halving: clusters of 64 take 2 stages instead of 6
-    levels (measured in docs/results.md, "The default's cost"). The value is the same, bit for
-    bit (one winner per group, ties to the lower index)."""
+    `fanin` entries are ranked at once (`_pairwise_rank`: one batch of (f - 1) / 2 comparisons
+    per entry), the entry of rank 0 is found by one equality test and kept by an integer x
+    fixed-point product. A stage costs two comparison rounds whatever its fan-in, where a
+    reduction spends one comparison and one selection per halving: clusters of 64 take 2
+    stages instead of 6 levels (measured in docs/results.md, "The default's cost"). The value
+    is the same, bit for bit, at every fan-in (one winner per group, ties to the lower
+    index)."""
     if size & (size - 1) or size < 1:
         raise ValueError(f"group size {size} must be a power of two")
     if per_group < 1 or per_group & (per_group - 1) or size % per_group:
@@ -181,7 +192,7 @@ def group_max(x: jax.Array, size: int, per_group: int = 1) -> jax.Array:
     if not tracing_for_mpc():
         out = jnp.max(x.reshape(*x.shape[:-1], n * per_group, run), axis=-1)
     else:
-        for f in tournament_fanins(run):
+        for f in tournament_fanins(run, fanin):
             groups = x.reshape(*x.shape[:-1], -1, f)
             winner = (_pairwise_rank(groups) == 0).astype(jnp.int32)
             # (elementwise, not a batched product: SPU runs a batched dot_general one group at
@@ -220,6 +231,15 @@ def mask_onehot(mask: jax.Array, k: int) -> jax.Array:
 BLOCK_DIAGONAL_MAX = 1 << 21
 
 
+def block_diagonal(blocks: jax.Array) -> jax.Array:
+    """[L, m, n] -> [L m, L n] with block i at rows i m.., columns i n.. and zeros elsewhere,
+    by padding (data movement: free under MPC, where a product with a public 0/1 pattern
+    would cost a truncation of every entry)."""
+    L, m, n = blocks.shape
+    return jnp.concatenate([jnp.pad(blocks[i], ((0, 0), (i * n, (L - 1 - i) * n)))
+                            for i in range(L)], axis=0)
+
+
 def batched_matmul(a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
     """a: [L, m, n]; b: [L, n, p] -> [L, m, p], one product per leading index.
 
@@ -231,11 +251,7 @@ def batched_matmul(a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
     if L * m * L * n > BLOCK_DIAGONAL_MAX:
         return jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))),
                                    preferred_element_type=out_dtype)
-    # Each block padded into place: data movement only. (Multiplying by a public 0/1 pattern
-    # would cost a fixed-point truncation of every entry of the spread when `a` is real.)
-    spread = jnp.concatenate([jnp.pad(a[i], ((0, 0), (i * n, (L - 1 - i) * n)))
-                              for i in range(L)], axis=0)
-    out = jax.lax.dot(spread, b.reshape(L * n, p), preferred_element_type=out_dtype)
+    out = jax.lax.dot(block_diagonal(a), b.reshape(L * n, p), preferred_element_type=out_dtype)
     return out.reshape(L, m, p)
 
 

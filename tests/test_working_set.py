@@ -39,9 +39,11 @@ def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget)
     assert make_policy("mpcache", 0.1).plan(1025)[0] >= 1     # and at the bucket's smallest
 
 
-def _layer(policy, T, max_new, seed=0, Hkv=2, d=8):
+def _layer(policy, T, max_new, seed=0, Hkv=2, d=8, scale=None):
     rng = np.random.RandomState(seed)
     k = rng.randn(Hkv, T, d).astype(np.float32)
+    if scale is not None:                                 # [T]: each token's key norm scaled
+        k = k * scale[None, :, None]
     v = rng.randn(Hkv, T, d).astype(np.float32)
     dense = fill_prefix(empty_layer(Hkv, T + max_new, d), jnp.asarray(k), jnp.asarray(v))
     state = policy.compress((dense,), PrefillAux(None, T), max_new)[0]
@@ -57,7 +59,11 @@ def _reference_clusters(policy, q, k, T):
     Hkv, _, d = k.shape
     G = q.shape[0] // Hkv
     qg = q.reshape(Hkv, G, d) / np.sqrt(d)
+    if policy.token_score == "cosine":
+        qg = qg / np.linalg.norm(qg, axis=-1, keepdims=True)
     scores = np.einsum("hgd,htd->hgt", qg, k)                      # [H_kv, G, T]
+    if policy.token_score in ("cosine", "key_cosine"):
+        scores = scores / np.linalg.norm(k, axis=-1)[:, None]
     token = scores.max(1) if policy.group_reduce == "max" else scores.sum(1)
     if policy.scope_for(Hkv) == "layer":
         token = token.sum(0, keepdims=True)
@@ -75,19 +81,28 @@ def _reference_clusters(policy, q, k, T):
 
 @pytest.mark.parametrize("scope", ["layer", "head"])
 def test_selection_is_each_stripes_best_clusters(scope):
-    policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
-                         select_scope=scope, refresh_every=1)
+    """For each token score (q . k, the cosine, q . k / |k|) and scope, the clusters of the
+    brute-force reference; the three scores pick differently on these keys (whose norms vary
+    from token to token), so each is checked for what it is."""
     T = 90
-    state, k, v = _layer(policy, T, 4)
     rng = np.random.RandomState(5)
-    geo = policy.geometry(E.Extent(T, T))
-    m, start = policy.plan(T)
-    assert m >= 2
-    for trial in range(5):
-        q = rng.randn(4, k.shape[-1]).astype(np.float32)
-        onehot, picked = policy.select(jnp.asarray(q), state, geo, m, start)
-        got = [set((np.asarray(row) + 1).tolist()) for row in np.asarray(picked)]
-        assert got == _reference_clusters(policy, q, k, T)
+    queries = [rng.randn(4, 8).astype(np.float32) for _ in range(5)]
+    scale = np.exp(rng.randn(T)).astype(np.float32)            # keys of unequal norms
+    picks = {}
+    for score in ("dot", "cosine", "key_cosine"):
+        policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
+                             select_scope=scope, refresh_every=1, token_score=score)
+        state, k, v = _layer(policy, T, 4, scale=scale)
+        geo = policy.geometry(E.Extent(T, T))
+        m, start = policy.plan(T)
+        assert m >= 2 and (state.inv_norms is None) == (score == "dot")
+        picks[score] = []
+        for q in queries:
+            onehot, picked = policy.select(jnp.asarray(q), state, geo, m, start)
+            got = [set((np.asarray(row) + 1).tolist()) for row in np.asarray(picked)]
+            assert got == _reference_clusters(policy, q, k, T), score
+            picks[score].append(got)
+    assert picks["dot"] != picks["cosine"] != picks["key_cosine"] != picks["dot"]
 
 
 def test_attention_equals_attending_to_the_gathered_tokens():
@@ -151,6 +166,11 @@ def test_bad_settings_and_buckets_are_refused_with_the_setting_named():
         make_policy("mpcache", 0.1, cluster_size=24)
     with pytest.raises(ValueError, match="token_score='cosine' scores single tokens"):
         make_policy("mpcache", 0.1, token_score="cosine", cluster_score="mean")
+    with pytest.raises(ValueError, match="token_score='key_cosine' scores single tokens"):
+        make_policy("mpcache", 0.1, token_score="key_cosine", cluster_score="mean")
+    for fanin in (1, 3, 12, True, 4.0):
+        with pytest.raises(ValueError, match=f"tournament_fanin={fanin!r} must be a power of two"):
+            make_policy("mpcache", 0.1, tournament_fanin=fanin)
     with pytest.raises(ValueError, match="cannot hold the sink cluster of 16"):
         make_policy("mpcache", 10).check_prompt(2048)
     with pytest.raises(ValueError, match=r"the bucket \[100, 300\] spans 128 and 384; use "
@@ -162,25 +182,29 @@ def test_bad_settings_and_buckets_are_refused_with_the_setting_named():
     make_policy("mpcache", 0.1).check_bucketed(1600, 1537, 2048)
 
 
-@pytest.mark.parametrize("T,cluster,ties", [(1200, 32, False), (2400, 64, False),
-                                            (2400, 64, True), (1500, 16, False)])
-def test_secure_selection_ranks_partial_maxima_and_picks_the_same_clusters(T, cluster, ties):
+@pytest.mark.parametrize("T,cluster,ties,fanin", [
+    (1200, 32, False, 16), (2400, 64, False, 16), (2400, 64, True, 16), (1500, 16, False, 16),
+    (1500, 16, False, 4), (1200, 32, False, 4), (2400, 64, True, 2)])
+def test_secure_selection_ranks_partial_maxima_and_picks_the_same_clusters(T, cluster, ties,
+                                                                           fanin):
     """Under MPC with one pick per stripe, the stripe's top-1 ranks the cluster-max
-    tournament's partial maxima (its last stage's r runs per cluster: 2 for clusters of 32, 4
-    for 64) instead of running that stage: the same clusters as the plaintext reduction,
-    including ties (lower cluster first). Clusters of 16 (one stage) rank whole maxima."""
+    tournament's partial maxima (its last stage's r runs per cluster: at fan-in 16, 2 for
+    clusters of 32, 4 for 64) instead of running that stage: the same clusters as the
+    plaintext reduction, including ties (lower cluster first), at every fan-in. Clusters of 16
+    at fan-in 16 (one stage) rank whole maxima."""
     wide = make_policy("mpcache", 0.1, cluster_size=cluster)
     m, _ = wide.plan(T)                       # as many stripes as clusters picked: one each
-    policy = make_policy("mpcache", 0.1, cluster_size=cluster,
+    policy = make_policy("mpcache", 0.1, cluster_size=cluster, tournament_fanin=fanin,
                          stripes=m * wide.stripes_of(geometry_length(T)))
     state, k, _ = _layer(policy, T, 4, seed=3, Hkv=4, d=8)
     geo = policy.geometry(E.Extent(T, T))
     m, start = policy.plan(T)
     assert geo.picks == 1 and m == 1
     with P.secure_trace():
-        runs = policy.fused_runs(geo)
-    assert runs == {16: 1, 32: 2, 64: 4}[cluster]
-    assert policy.fused_runs(geo) == 1                    # plaintext: the plain reduction
+        runs = policy.fused_runs(geo, 4)
+    want = {16: {16: 1, 32: 2, 64: 4}, 4: {16: 4, 32: 2, 64: 4}, 2: {64: 2}}[fanin][cluster]
+    assert runs == want
+    assert policy.fused_runs(geo, 4) == 1                    # plaintext: the plain reduction
     rng = np.random.RandomState(5)
     for trial in range(6):
         q = rng.randn(4 * 2, 8).astype(np.float32)
@@ -195,3 +219,39 @@ def test_secure_selection_ranks_partial_maxima_and_picks_the_same_clusters(T, cl
         np.testing.assert_array_equal(np.asarray(secure[0]), np.asarray(plain[0]))
         np.testing.assert_array_equal(np.asarray(secure[1]), np.asarray(plain[1]))
         assert np.asarray(plain[0]).sum() == geo.stripes * np.asarray(plain[0]).shape[0]
+
+
+def test_tournament_fanin_follows_the_rows_that_select():
+    """fan-in 0: wide stages where a layer selects once (shared by its heads, or one KV head),
+    narrow ones per KV head of several; a set fan-in is kept."""
+    policy = make_policy("mpcache", 0.1)
+    assert [policy.fanin_for(h) for h in (1, 3, 4, 32)] == [16, 4, 4, 16]
+    assert make_policy("mpcache", 0.1, select_scope="layer").fanin_for(3) == 16
+    assert make_policy("mpcache", 0.1, tournament_fanin=8).fanin_for(3) == 8
+
+
+@pytest.mark.parametrize("scope", ["layer", "head"])
+@pytest.mark.parametrize("spread", [False, True])
+def test_secure_gather_moves_the_picked_clusters_exactly(scope, spread, monkeypatch):
+    """Under MPC the working set is gathered by integer one-hot products: one per stripe (and
+    KV head), or one block-diagonal product of them all; both give the plaintext gather's
+    keys and values, bit for bit."""
+    from mpcache_jax.policies import working_set
+    monkeypatch.setattr(working_set, "GATHER_SPREAD_MAX_LOOP_MACS", 1 << 40 if spread else 0)
+    policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
+                         select_scope=scope, refresh_every=1)
+    T = 90
+    state, k, v = _layer(policy, T, 4, seed=7, Hkv=3)
+    geo = policy.geometry(E.Extent(T, T))
+    m, start = policy.plan(T)
+    q = jnp.asarray(np.random.RandomState(1).randn(6, 8).astype(np.float32))
+    onehot, _ = policy.select(q, state, geo, m, start)
+    plain = policy.gather(onehot, state, geo)
+    with P.secure_trace():
+        secure = jax.jit(lambda o, s: policy.gather(o, s, geo))(onehot, state)
+        hlo = jax.jit(lambda o, s: policy.gather(o, s, geo)).lower(onehot, state).as_text()
+    for got, want in zip(secure, plain):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.abs(np.asarray(plain[0])).sum() > 0
+    # the spread is one 2-D product; the loop a batched one over the stripes (and heads)
+    assert ("batching_dims" in hlo) == (not spread)

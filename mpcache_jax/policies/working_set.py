@@ -47,7 +47,10 @@ from mpcache_jax.cache import (LayerKV, append_token, nested_field, public_field
 from mpcache_jax.policies.base import PromptEvictionPolicy, new_region, prompt_kv
 
 CLUSTER_SCORES = ("max", "mean")
-TOKEN_SCORES = ("auto", "dot", "cosine")
+TOKEN_SCORES = ("auto", "dot", "cosine", "key_cosine")
+# token_score="auto" on models whose keys are RMS-normalised per head (QK-norm): a key's norm
+# there comes from the k-norm's learned scale, not the token, and misleads a dot product.
+AUTO_NORMALIZED_SCORE = "cosine"
 SELECT_SCOPES = ("auto", "layer", "head")
 # select_scope="auto": one selection per KV head on models with at most this many KV heads
 # (SmolLM2's 3, Gemma 3's 1), else one per layer shared by its heads (a per-head selection
@@ -61,6 +64,20 @@ MIN_CLUSTER, MAX_CLUSTER = 4, 256
 # Widest last tournament stage a stripe's top-1 takes over (`fused_runs`): its ranking grows
 # with (r n_b)^2, the stage it saves is two comparison rounds.
 FUSED_MAX_RUNS = 8
+# The working-set gather is one product per stripe (and KV head), a round of messages each,
+# or under MPC one block-diagonal product of them all: L products' rounds become one, and the
+# local work grows L-fold (the loop's whole work L x m_max x n_b x row, multiply-accumulates,
+# per round saved). The spread is taken where that work per saved round is at most this:
+# SmolLM2 at 4096 tokens (21 products, 1.6M per round), Gemma at 8192 (8, 4.2M);
+# llama2-d1024's per-layer rows are wider (8.7M at 4096) and keep the loop, where a round
+# costs less than the work on a LAN.
+GATHER_SPREAD_MAX_LOOP_MACS = 1 << 22
+# tournament_fanin=0: the cluster-max tournament's fan-in. A layer that selects once (a
+# selection shared by its heads, or one KV head) takes wide stages: few rounds, and its
+# comparisons are shared by the query heads. Selecting per KV head pays the comparisons per
+# head: at fan-in 16 (7.5 per token) a refresh of SmolLM2's 3 KV heads cost more bytes than
+# `full`'s whole step at 4096 tokens; at 4 (1.9 per token over two stages) 0.77x.
+AUTO_FANIN_ONE_ROW, AUTO_FANIN_ROWS = 16, 4
 
 
 def geometry_length(t: int) -> int:
@@ -108,9 +125,11 @@ class WorkingSetLayer:
     """One layer's decode state.
 
     k, v: [H_kv, C c, d] the prompt region (the dense prefill cache, padded to whole
-    clusters); with token_major, k is [C c, H_kv, d] (a selection shared by the heads scores
-    every token with one product [C c, H_kv d] x [H_kv d]: under ABY3 ~14x less compute than
-    the same sum as a product per head at 4096 tokens; read through `prompt_keys`); striped: the middle clusters' keys and values as a selection gathers them, laid
+    clusters); with token_major (cluster_score="max"), k is [C c, H_kv, d]: a step scores
+    every token with one product [C c, H_kv d] x [H_kv d] (a selection shared by the heads:
+    under ABY3 ~14x less compute than the same sum as a product per head at 4096 tokens) or
+    x [H_kv d, H_kv G] (the queries block-diagonal: one round instead of one per KV head);
+    read through `prompt_keys`; striped: the middle clusters' keys and values as a selection gathers them, laid
     out once here ([S, n_b, H_kv c 2d] for a selection shared by the heads, [H_kv, S, n_b,
     c 2d] per head: `stripe_rows`) so that no selection moves the whole region into its
     layout again (a secret copy of every slot: 3.3 s of a 3.8 s selection per layer at 8192
@@ -174,12 +193,19 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     cluster_score: "max" (a cluster scores its best token: the step's q . k over every
       middle token, then a max over each cluster) or "mean" (its mean key's q . k: one product
       with C digests computed once at prefill).
-    token_score: "dot" (q . k), "cosine" (q . k / (|q| |k|)) or "auto" (cosine on models whose
-      keys are RMS-normalised per head (QK-norm: Gemma 3), dot otherwise); "max" only.
+    token_score: "dot" (q . k), "cosine" (q . k / (|q| |k|)), "key_cosine" (q . k / |k|: the
+      keys' norms only, computed once at prefill; no query norm per step) or "auto"
+      (AUTO_NORMALIZED_SCORE on models whose keys are RMS-normalised per head (QK-norm:
+      Gemma 3), dot otherwise); "max" only.
     group_reduce: how a GQA group's query heads combine a token's score: "max" (best head)
       or "sum"; a per-layer selection then sums over KV heads.
     select_scope: "layer" (one selection shared by the layer's heads), "head" (one per KV
       head) or "auto" (per head on models with at most 4 KV heads).
+    tournament_fanin: under MPC, entries the cluster-max tournament ranks at once (a power
+      of two: (f - 1) / 2 comparisons per token and two comparison rounds per stage); 0 =
+      AUTO_FANIN_ONE_ROW where a layer selects once (shared by its heads, or one KV head),
+      AUTO_FANIN_ROWS per KV head of several (each head pays the comparisons). The picks are
+      the same at every fan-in.
     """
 
     REQUIRED_HOOKS = ()
@@ -198,6 +224,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     token_score: str = "auto"
     group_reduce: str = "max"
     select_scope: str = "auto"
+    tournament_fanin: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -206,6 +233,11 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        fanin = self.tournament_fanin
+        if isinstance(fanin, bool) or not isinstance(fanin, int) or (
+                fanin and (fanin < 2 or fanin & (fanin - 1))):
+            raise ValueError(f"tournament_fanin={fanin!r} must be a power of two >= 2 (or 0 "
+                             "for the fan-in that follows the selection's scope)")
         if self.cluster_size and (self.cluster_size < 2 or self.cluster_size & (self.cluster_size - 1)):
             raise ValueError(f"cluster_size={self.cluster_size} must be a power of two >= 2 (or 0 "
                              "for the size that follows the prompt length)")
@@ -213,8 +245,8 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             raise ValueError(f"cluster_score={self.cluster_score!r}; use one of {CLUSTER_SCORES}")
         if self.token_score not in TOKEN_SCORES:
             raise ValueError(f"token_score={self.token_score!r}; use one of {TOKEN_SCORES}")
-        if self.token_score == "cosine" and self.cluster_score != "max":
-            raise ValueError("token_score='cosine' scores single tokens: it needs "
+        if self.token_score in ("cosine", "key_cosine") and self.cluster_score != "max":
+            raise ValueError(f"token_score={self.token_score!r} scores single tokens: it needs "
                              "cluster_score='max'")
         if self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce={self.group_reduce!r}; use 'max' or 'sum'")
@@ -316,6 +348,13 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             return self.select_scope
         return "head" if num_kv_heads <= AUTO_HEAD_MAX_KV_HEADS else "layer"
 
+    def fanin_for(self, num_kv_heads: int) -> int:
+        """The cluster-max tournament's fan-in (`tournament_fanin`)."""
+        if self.tournament_fanin:
+            return self.tournament_fanin
+        rows = 1 if self.scope_for(num_kv_heads) == "layer" else num_kv_heads
+        return AUTO_FANIN_ONE_ROW if rows == 1 else AUTO_FANIN_ROWS
+
     # --- the decode cache --------------------------------------------------------------------
     def compress(self, cache, aux, max_new_tokens: int):
         extent = E.of(aux)
@@ -339,7 +378,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 total = jnp.sum(k.reshape(Hkv, geo.clusters, geo.cluster, d) * w, axis=2)
                 digest = total / jnp.maximum(jnp.sum(w, axis=2), 1.0)
             zeros = jnp.zeros((Hkv, geo.working, d), k.dtype)
-            token_major = rows == 1 and not cosine and self.cluster_score == "max"
+            token_major = self.cluster_score == "max"
             out.append(WorkingSetLayer(
                 k.transpose(1, 0, 2) if token_major else k, v,
                 self.stripe_rows(k, v, geo, rows), digest,
@@ -351,10 +390,20 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         return tuple(out)
 
     def uses_cosine(self, aux) -> bool:
-        if self.cluster_score != "max":
-            return False
-        return self.token_score == "cosine" or (self.token_score == "auto"
-                                                and bool(aux.normalized_keys))
+        """Whether token scores divide by the keys' norms (`token_score` cosine, key_cosine)."""
+        return self.cluster_score == "max" and self.resolved_score(aux) != "dot"
+
+    def resolved_score(self, aux) -> str:
+        """The token score this prompt's model gets ("dot", "cosine" or "key_cosine")."""
+        if self.token_score != "auto":
+            return self.token_score
+        return AUTO_NORMALIZED_SCORE if aux.normalized_keys else "dot"
+
+    def unit_queries(self) -> bool:
+        """Whether a step divides the queries by their norms (cosine; decided from the
+        configuration alone: with keys' norms in the state, auto is AUTO_NORMALIZED_SCORE)."""
+        score = AUTO_NORMALIZED_SCORE if self.token_score == "auto" else self.token_score
+        return score == "cosine"
 
     def free_slots(self, cache) -> int:
         new = cache[0].new
@@ -376,14 +425,19 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 return jnp.einsum("hd,hcd->c", jnp.sum(qg, axis=1), state.digest)[None]
             return jnp.einsum("hd,hcd->hc", jnp.sum(qg, axis=1), state.digest)
         cosine = state.inv_norms is not None
-        if cosine:
+        if cosine and self.unit_queries():
             qg = P.unit_rows(qg)
-        if state.token_major:                     # per layer, dot products: k [T, H_kv, d]
-            if self.group_reduce == "sum" or G == 1:
-                flat = state.k.reshape(state.k.shape[0], Hkv * d)
+        if state.token_major:                                        # k [T, H_kv, d]
+            flat = state.k.reshape(state.k.shape[0], Hkv * d)
+            if per_layer and not cosine and (self.group_reduce == "sum" or G == 1):
                 token = (flat @ jnp.sum(qg, axis=1).reshape(Hkv * d))[None]           # [1, T]
             else:
-                token = jnp.max(jnp.einsum("hgd,thd->hgt", qg, state.k), axis=1)       # [H_kv, T]
+                # every head's queries against every token in one product with the queries
+                # block-diagonal [H_kv d, H_kv G] (a product per KV head is a round each)
+                token = (flat @ P.block_diagonal(qg.transpose(0, 2, 1)))              # [T, H_kv G]
+                token = token.reshape(-1, Hkv, G).transpose(1, 2, 0)                   # [H_kv, G, T]
+                token = (jnp.sum(token, axis=1) if self.group_reduce == "sum"
+                         else jnp.max(token, axis=1))                                  # [H_kv, T]
         elif self.group_reduce == "sum" or G == 1:
             token = jnp.einsum("hd,htd->ht", jnp.sum(qg, axis=1), state.k)            # [H_kv, T]
         else:
@@ -392,9 +446,10 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             token = token * state.inv_norms
         if per_layer and token.shape[0] > 1:
             token = jnp.sum(token, axis=0, keepdims=True)
-        return P.group_max(token, geo.cluster, per_cluster)                 # [R, C] / [R, C, r]
+        return P.group_max(token, geo.cluster, per_cluster,                 # [R, C] / [R, C, r]
+                           fanin=self.fanin_for(Hkv))
 
-    def fused_runs(self, geo: Geometry) -> int:
+    def fused_runs(self, geo: Geometry, num_kv_heads: int) -> int:
         """Under MPC with one pick per stripe: the fan-in r of the cluster-max tournament's last
         stage when the top-1 of each stripe can take that stage's place (its r x n_b partial
         maxima ranked at once pick the same cluster, ties to the lower index as before: one
@@ -402,7 +457,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         mean scores, a one-stage tournament, or a last stage wider than FUSED_MAX_RUNS)."""
         if (geo.picks != 1 or self.cluster_score != "max" or not P.tracing_for_mpc()):
             return 1
-        fanins = P.tournament_fanins(geo.cluster)
+        fanins = P.tournament_fanins(geo.cluster, self.fanin_for(num_kv_heads))
         if len(fanins) < 2 or fanins[-1] > FUSED_MAX_RUNS:
             return 1
         return fanins[-1]
@@ -411,15 +466,15 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         """This step's choice: integer one-hot [R, S, m_max, n_b] over each stripe's candidate
         slots (rows past m zero), and the middle cluster of each picked row [R, S m_max]."""
         S, n = geo.stripes, geo.per_stripe
-        r = self.fused_runs(geo)
+        r = self.fused_runs(geo, state.kv_heads[0])
         scores = self.cluster_scores(q, state, geo, r)[:, 1:]               # middle clusters
         scores = scores.reshape(scores.shape[0], -1, r)                       # [R, C_mid, r]
         R, C_mid, _ = scores.shape
         scores = jnp.pad(scores, ((0, 0), (0, S * n - C_mid), (0, 0)))
         index = np.arange(S * n).reshape(n, S).T                              # [S, n] public
         middle = start // geo.cluster - 1                    # middle clusters before the window
-        valid = ((index < middle).astype(np.float32) if isinstance(middle, (int, np.integer))
-                 else (jnp.asarray(index) < middle).astype(scores.dtype))
+        valid = (index < middle if isinstance(middle, (int, np.integer))
+                 else jnp.asarray(index) < middle)                  # bool: a select, public
         striped = scores.reshape(R, n, S, r).transpose(0, 2, 1, 3).reshape(R, S, n * r)
         repeat = np.repeat if isinstance(valid, np.ndarray) else jnp.repeat
         onehot = P.topk_onehot(striped, m, geo.picks,
@@ -449,14 +504,18 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     def gather(self, onehot: jax.Array, state: WorkingSetLayer, geo: Geometry):
         """The picked clusters' keys and values -> ([H_kv, W, d], [H_kv, W, d]): one product
         [m_max, n_b] x [n_b, row] per stripe (per stripe and KV head for a per-head selection)
-        over the rows laid out at compress (`stripe_rows`)."""
+        over the rows laid out at compress (`stripe_rows`); under MPC one block-diagonal
+        product of them all where that saves rounds at little work
+        (GATHER_SPREAD_MAX_LOOP_MACS)."""
         Hkv, d = state.kv_heads
         S, c, m = geo.stripes, geo.cluster, geo.picks
+        work = onehot.shape[0] * S * m * geo.per_stripe * state.striped.shape[-1]
+        loop = work > GATHER_SPREAD_MAX_LOOP_MACS
         if onehot.shape[0] == 1:
-            out = P.gather_rows(onehot[0], state.striped, loop=True)         # [S, m, H_kv c 2d]
+            out = P.gather_rows(onehot[0], state.striped, loop=loop)         # [S, m, H_kv c 2d]
             out = out.reshape(S, m, Hkv, c, 2 * d).transpose(2, 0, 1, 3, 4)
         else:
-            out = P.gather_rows(onehot, state.striped, loop=True).reshape(Hkv, S, m, c, 2 * d)
+            out = P.gather_rows(onehot, state.striped, loop=loop).reshape(Hkv, S, m, c, 2 * d)
         out = out.reshape(Hkv, S * m * c, 2 * d)
         return out[..., :d], out[..., d:]
 
