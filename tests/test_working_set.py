@@ -255,3 +255,33 @@ def test_secure_gather_moves_the_picked_clusters_exactly(scope, spread, monkeypa
     assert np.abs(np.asarray(plain[0])).sum() > 0
     # the spread is one 2-D product; the loop a batched one over the stripes (and heads)
     assert ("batching_dims" in hlo) == (not spread)
+
+
+@pytest.mark.parametrize("normalized_keys", [False, True])
+def test_auto_token_score_divides_by_the_keys_norms_on_models_with_normalized_keys(
+        normalized_keys):
+    """token_score="auto" decides at prefill: with QK-norm (PrefillAux.normalized_keys) the
+    layers carry the keys' inverse norms and the selection picks as "key_cosine" does (no
+    query norms per step); otherwise as "dot"."""
+    T = 90
+    rng = np.random.RandomState(11)
+    scale = np.exp(rng.randn(T)).astype(np.float32)
+    k = (rng.randn(2, T, 8) * scale[None, :, None]).astype(np.float32)
+    dense = fill_prefix(empty_layer(2, T + 4, 8), jnp.asarray(k), jnp.asarray(k))
+    aux = PrefillAux(None, T, normalized_keys=normalized_keys)
+    queries = [jnp.asarray(rng.randn(4, 8).astype(np.float32) * rng.uniform(0.2, 5, (4, 1)))
+               for _ in range(4)]
+
+    def picks(score):
+        policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
+                             token_score=score)
+        state = policy.compress((dense,), aux, 4)[0]
+        geo = policy.geometry(E.Extent(T, T))
+        m, start = policy.plan(T)
+        return state, [np.asarray(policy.select(q, state, geo, m, start)[1]).tolist()
+                       for q in queries]
+    state, auto = picks("auto")
+    assert (state.inv_norms is not None) == normalized_keys
+    want = {s: picks(s)[1] for s in ("dot", "cosine", "key_cosine")}
+    assert want["dot"] != want["key_cosine"] != want["cosine"]
+    assert auto == want["key_cosine" if normalized_keys else "dot"]
