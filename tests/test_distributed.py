@@ -686,10 +686,45 @@ def test_party_table_pools_runs_and_prints_ratios_to_full(tmp_path):
     assert full["steps"] == 3 and full["wall_s"] == 5.0 and full["max_party_cpu_s"] == 3.5
     assert full["lan_network_plus_cpu_s"] == pytest.approx(4.3)   # median of 3.8, 4.3, 4.8
     assert mp["steps"] == 1 and mp["wall_s"] == 2.5 and mp["max_party_cpu_s"] == 2.0
+    assert full["link"] == "-" and full["model_s"] is None           # no config, no simulation
     text = party_table.format_tables(rows)
-    assert "| netns | 1024 | `mpcache` | 2.00x | 2.00x | 2.00x | 1.79x |" in text
+    assert "| netns | 1024 | `mpcache` | 2.00x | 2.00x | 2.00x | 1.79x | - |" in text
     assert party_table.main(["party_table", str(tmp_path)]) == 0
     assert (tmp_path / "party_table.csv").read_text().count("\n") == 3
+
+
+def test_party_table_predicts_each_run_from_simulated_steps_for_its_link(tmp_path):
+    """With simulated steps of the same length and policy in the folder (--compare_sim), a run
+    on a "wan" link is set beside the simulated WAN time and a "lan" one beside the LAN time;
+    the simulated records are not counted as measured steps."""
+    from experiments import party_table
+
+    def step(backend, policy, wall, lan, wan):
+        return {"phase": "decode", "backend": backend, "prompt_tokens": 2048, "policy": policy,
+                "wall_s": wall, "party_cpu_s": [1.0, 1.0, 1.0], "comm_bytes": 1e8,
+                "messages": 2000, "lan_latency_s": 0.5, "lan_total_s": lan, "wan_total_s": wan}
+    for shape in ("lan", "wan"):
+        for policy, wall in (("full", 6.0), ("mpcache", 4.0)):
+            run = tmp_path / shape / policy
+            run.mkdir(parents=True)
+            config = {"devices": {"SPU": {"config": {"link": {"shape": shape}}}}}
+            (run / "node_config.json").write_text(json.dumps(config))
+            records = [step("spu_nodes", policy, wall if shape == "lan" else 30 * wall, 0, 0),
+                       {"summary": True, "node_config": f"cfg.{shape}"}]
+            (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            if shape == "lan":     # --compare_sim's own file: simulated steps, the real copied
+                records += [step("spu_sim", policy, 1, 2 * wall, 25 * wall),
+                            step("spu_sim", policy, 1, 4 * wall, 35 * wall)]
+                with open(tmp_path / shape / "results.jsonl", "a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in records))
+    rows = party_table.summarize(party_table.decode_steps(tmp_path),
+                                 party_table.simulated_steps(tmp_path))
+    got = {(r["link"], r["policy"]): r for r in rows}
+    assert len(rows) == 4 and all(r["steps"] == 1 for r in rows)
+    assert got["lan", "full"]["model_s"] == 18.0 and got["wan", "full"]["model_s"] == 180.0
+    assert got["wan", "mpcache"]["wall_s"] == 120.0 and got["wan", "mpcache"]["model_s"] == 120.0
+    assert "| cfg.wan | 2048 | `mpcache` | 1.50x | 1.00x | 1.00x | 1.00x | 1.50x |" in \
+        party_table.format_tables(rows)
 
 
 # ----- the front door (issue 32) -------------------------------------------------------------
