@@ -51,8 +51,9 @@ TOKEN_SCORES = ("auto", "dot", "cosine", "key_cosine")
 # token_score="auto" on models whose keys are RMS-normalised per head (QK-norm): a key's norm
 # there comes from the k-norm's learned scale, not the token, and misleads a dot product.
 # Dividing by the keys' norms alone answered as the full cosine on Gemma 3 (the same task
-# scores at 2048 and 8192 tokens, KL within 3%) and spares the per-step inverse square root
-# of the query heads' norms (54 of a refresh's ~150 messages per layer under ABY3).
+# scores at 2048 and 8192 tokens, KL within 3%) and spares each refresh the inverse square
+# root of the query heads' norms (under ABY3 56 of the 123 messages a refresh added per
+# global layer of Gemma at 8192 tokens).
 AUTO_NORMALIZED_SCORE = "key_cosine"
 SELECT_SCOPES = ("auto", "layer", "head")
 # select_scope="auto": one selection per KV head on models with at most this many KV heads
@@ -132,13 +133,13 @@ class WorkingSetLayer:
     every token with one product [C c, H_kv d] x [H_kv d] (a selection shared by the heads:
     under ABY3 ~14x less compute than the same sum as a product per head at 4096 tokens) or
     x [H_kv d, H_kv G] (the queries block-diagonal: one round instead of one per KV head);
-    read through `prompt_keys`; striped: the middle clusters' keys and values as a selection gathers them, laid
-    out once here ([S, n_b, H_kv c 2d] for a selection shared by the heads, [H_kv, S, n_b,
-    c 2d] per head: `stripe_rows`) so that no selection moves the whole region into its
-    layout again (a secret copy of every slot: 3.3 s of a 3.8 s selection per layer at 8192
-    tokens on llama2-d1024 under ABY3); digest: [H_kv, C, d] cluster mean keys
-    (cluster_score="mean") or None;
-    inv_norms: [H_kv, C c] 1/|k| (cosine token scores) or None; working_k, working_v:
+    read through `prompt_keys`; striped: the middle clusters' keys and values as a selection
+    gathers them, laid out once here ([S, n_b, H_kv c 2d] for a selection shared by the
+    heads, [H_kv, S, n_b, c 2d] per head: `stripe_rows`) so that no selection moves the
+    whole region into its layout again (a secret copy of every slot: 3.3 s of a 3.8 s
+    selection per layer at 8192 tokens on llama2-d1024 under ABY3); digest: [H_kv, C, d]
+    cluster mean keys (cluster_score="mean") or None; inv_norms: [H_kv, C c] 1/|k|
+    (token scores divided by the keys' norms) or None; working_k, working_v:
     [H_kv, W, d] the gathered clusters (W = Geometry.working); picked: int32 [R, S m_max]
     the middle cluster behind each working-set cluster (analysis only); new: LayerKV of the
     generated tokens; prompt_len: static prompt slots; length: int32 [] real prompt tokens of
@@ -430,21 +431,16 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         cosine = state.inv_norms is not None
         if cosine and self.unit_queries():
             qg = P.unit_rows(qg)
-        if state.token_major:                                        # k [T, H_kv, d]
-            flat = state.k.reshape(state.k.shape[0], Hkv * d)
-            if per_layer and not cosine and (self.group_reduce == "sum" or G == 1):
-                token = (flat @ jnp.sum(qg, axis=1).reshape(Hkv * d))[None]           # [1, T]
-            else:
-                # every head's queries against every token in one product with the queries
-                # block-diagonal [H_kv d, H_kv G] (a product per KV head is a round each)
-                token = (flat @ P.block_diagonal(qg.transpose(0, 2, 1)))              # [T, H_kv G]
-                token = token.reshape(-1, Hkv, G).transpose(1, 2, 0)                   # [H_kv, G, T]
-                token = (jnp.sum(token, axis=1) if self.group_reduce == "sum"
-                         else jnp.max(token, axis=1))                                  # [H_kv, T]
-        elif self.group_reduce == "sum" or G == 1:
-            token = jnp.einsum("hd,htd->ht", jnp.sum(qg, axis=1), state.k)            # [H_kv, T]
+        flat = state.k.reshape(state.k.shape[0], Hkv * d)       # token-major k: [T, H_kv d]
+        if per_layer and not cosine and (self.group_reduce == "sum" or G == 1):
+            token = (flat @ jnp.sum(qg, axis=1).reshape(Hkv * d))[None]               # [1, T]
         else:
-            token = jnp.max(jnp.einsum("hgd,htd->hgt", qg, state.k), axis=1)           # [H_kv, T]
+            # every head's queries against every token in one product with the queries
+            # block-diagonal [H_kv d, H_kv G] (a product per KV head is a round each)
+            token = flat @ P.block_diagonal(qg.transpose(0, 2, 1))          # [T, H_kv G]
+            token = token.reshape(-1, Hkv, G).transpose(1, 2, 0)             # [H_kv, G, T]
+            token = (jnp.sum(token, axis=1) if self.group_reduce == "sum"
+                     else jnp.max(token, axis=1))                            # [H_kv, T]
         if cosine:
             token = token * state.inv_norms
         if per_layer and token.shape[0] > 1:
