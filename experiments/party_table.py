@@ -52,14 +52,14 @@ def decode_steps(folder: pathlib.Path) -> dict[tuple, list[dict]]:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         # The node config's id is in each run's closing summary record.
         config = next((r["node_config"] for r in records if r.get("summary")), path.parent.name)
+        link = _link(path)
         for record in records:
             if record.get("phase") == "decode" and record.get("backend") != "spu_sim":
                 copy = json.dumps(record, sort_keys=True)
                 if copy in seen:
                     continue
                 seen.add(copy)
-                key = (config, _link(path), record["prompt_tokens"], record["policy"])
-                groups[key].append(record)
+                groups[(config, link, record["prompt_tokens"], record["policy"])].append(record)
     return groups
 
 
