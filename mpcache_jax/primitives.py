@@ -26,10 +26,11 @@ def _adjust(scores, valid, forced):
     if forced is not None:
         scores = scores + FORCE_SCORE * forced.astype(scores.dtype)
     if valid is not None:
-        if isinstance(valid, np.ndarray) or valid.dtype == jnp.bool_:
+        if isinstance(valid, np.ndarray):                  # public constants
+            valid = valid.astype(bool)
+        if valid.dtype == jnp.bool_:
             # a select, no product: under MPC a product with a 0/1 float costs a truncation
-            scores = jnp.where(np.asarray(valid, bool) if isinstance(valid, np.ndarray)
-                               else valid, scores, jnp.asarray(-2.0 * FORCE_SCORE, scores.dtype))
+            scores = jnp.where(valid, scores, jnp.asarray(-2.0 * FORCE_SCORE, scores.dtype))
         else:
             valid = valid.astype(scores.dtype)
             scores = scores * valid - 2.0 * FORCE_SCORE * (1.0 - valid)
