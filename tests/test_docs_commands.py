@@ -91,6 +91,7 @@ def _flags_of(words: list[str]) -> list[tuple[str, str | None]]:
 
 
 COMMANDS = _commands()
+ABSL_FLAGS = _absl_flags()
 
 
 def test_the_docs_hold_commands_to_check():
@@ -114,7 +115,7 @@ def test_command_names_what_exists(doc, words):
     assert path.is_file(), f"{doc}: no module {module}"
     source = path.read_text()
     absl = "absl" in source and "app.run" in source
-    known = _absl_flags() if absl else _argparse_flags(path)
+    known = ABSL_FLAGS if absl else _argparse_flags(path)
     flags = _flags_of(words[3:])
     variants = {}
     for name, value in list(flags):
