@@ -155,6 +155,32 @@ def test_between_refreshes_the_working_set_stays():
     assert not all(np.array_equal(picks[0], p) for p in picks[3::3])
 
 
+@pytest.mark.parametrize("traced_layer", [False, True])
+def test_staggered_layers_take_turns(traced_layer):
+    """stagger_layers with refresh_every=3: every layer selects at step 0, then layer l at
+    the steps where step + l is a multiple of 3 (a traced layer index, as inside the model's
+    layer loop, the same)."""
+    policy = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
+                         refresh_every=3, stagger_layers=True)
+    attend = jax.jit(policy.attend, static_argnums=()) if traced_layer else policy.attend
+    rng = np.random.RandomState(5)
+    for layer in range(3):
+        state, k, v = _layer(policy, 70, 8, seed=layer)
+        working = []
+        for step in range(7):
+            q = rng.randn(4, k.shape[-1]).astype(np.float32) * 3
+            index = jnp.int32(layer) if traced_layer else layer
+            _, state, _ = attend(index, jnp.asarray(q), jnp.zeros((2, 8)), jnp.zeros((2, 8)),
+                                 state, None)
+            working.append(np.asarray(state.working_k))
+        assert np.any(working[0] != 0), layer                 # step 0 selected in every layer
+        for step in range(1, 7):
+            same = np.array_equal(working[step], working[step - 1])
+            assert same == ((step + layer) % 3 != 0), (layer, step)
+    with pytest.raises(ValueError, match="stagger_layers=1 must be True or False"):
+        make_policy("mpcache", 0.1, stagger_layers=1)
+
+
 def test_bad_settings_and_buckets_are_refused_with_the_setting_named():
     with pytest.raises(ValueError, match="refresh_every=0 must be an integer >= 1"):
         make_policy("mpcache", 0.1, refresh_every=0)

@@ -187,6 +187,11 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     budget: prompt tokens attended per decode step (a ratio of the prompt, or a count).
     refresh_every: decode steps between two selections (1 = every step); the schedule counts
       generated tokens, so it is public.
+    stagger_layers: layers take turns: layer l selects at the steps where step + l is a
+      multiple of `refresh_every` (False: every layer at the multiples). Each step then pays
+      1 / refresh_every of the layers' selections instead of all of them every
+      refresh_every-th step (the same mean cost, a flat per-step cost), and at every step
+      some layers attend to a selection made for this step's own query.
     cluster_size: tokens per cluster; 0 = the geometry length / `candidates` (bounded number
       of candidates: the cluster grows with the prompt), within [4, 256].
     candidates: clusters a prompt of the geometry length is cut into (cluster_size=0).
@@ -220,6 +225,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     name: str = "mpcache"
     topk_method: str = "rank"
     refresh_every: int = 2
+    stagger_layers: bool = False
     cluster_size: int = 0
     candidates: int = 128
     stripes: int = 0
@@ -237,6 +243,8 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        if not isinstance(self.stagger_layers, bool):
+            raise ValueError(f"stagger_layers={self.stagger_layers!r} must be True or False")
         fanin = self.tournament_fanin
         if isinstance(fanin, bool) or not isinstance(fanin, int) or (
                 fanin and (fanin < 2 or fanin & (fanin - 1))):
@@ -544,6 +552,10 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             # (only the working set goes through the branch: under vmap a batched predicate
             # turns it into a select of its outputs)
             due = state.new.length % self.refresh_every == 0
+            if self.stagger_layers:
+                # (every layer selects at the first step: no working set exists before it)
+                due = ((state.new.length + layer) % self.refresh_every == 0) | (
+                    state.new.length == 0)
             k, v, picked = jax.lax.cond(
                 due, fresh, lambda: (state.working_k, state.working_v, state.picked))
         return state.replace(working_k=k, working_v=v, picked=picked)
