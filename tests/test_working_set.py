@@ -162,7 +162,7 @@ def test_staggered_layers_take_turns(traced_layer):
     layer loop, the same)."""
     policy = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
                          refresh_every=3, stagger_layers=True)
-    attend = jax.jit(policy.attend, static_argnums=()) if traced_layer else policy.attend
+    attend = jax.jit(policy.attend) if traced_layer else policy.attend
     rng = np.random.RandomState(5)
     for layer in range(3):
         state, k, v = _layer(policy, 70, 8, seed=layer)
