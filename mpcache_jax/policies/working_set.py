@@ -551,11 +551,12 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         else:
             # (only the working set goes through the branch: under vmap a batched predicate
             # turns it into a select of its outputs)
-            due = state.new.length % self.refresh_every == 0
+            step = state.new.length
             if self.stagger_layers:
                 # (every layer selects at the first step: no working set exists before it)
-                due = ((state.new.length + layer) % self.refresh_every == 0) | (
-                    state.new.length == 0)
+                due = ((step + layer) % self.refresh_every == 0) | (step == 0)
+            else:
+                due = step % self.refresh_every == 0
             k, v, picked = jax.lax.cond(
                 due, fresh, lambda: (state.working_k, state.working_v, state.picked))
         return state.replace(working_k=k, working_v=v, picked=picked)
