@@ -286,3 +286,36 @@ def test_group_max_is_the_maximum_in_plaintext_and_as_a_tournament(size):
     np.testing.assert_array_equal(np.asarray(got), want)
     with pytest.raises(ValueError, match="power of two"):
         P.group_max(jnp.asarray(x[:, :12]), 3)
+
+
+@pytest.mark.parametrize("runtime_k", [False, True])
+def test_plaintext_masks_equal_the_secure_formulation(runtime_k):
+    """In plaintext `topk_mask` (method lax) scatters its indices and `mask_onehot` finds each
+    row's index by search; traced for MPC both stay one-hot arithmetic. The same arrays
+    either way, with ties, invalid entries, leading axes, fewer ones than rows and a runtime
+    k."""
+    rng = np.random.RandomState(4)
+    scores = jnp.asarray(rng.randint(0, 5, size=(2, 3, 40)).astype(np.float32))  # many ties
+    valid = jnp.asarray((rng.rand(2, 3, 40) > 0.2).astype(np.float32))
+    k = jnp.int32(7) if runtime_k else 7
+    bound = {"k_max": 9} if runtime_k else {}
+    for dtype in (jnp.float32, jnp.int32):
+        plain = P.topk_mask(scores, k, valid=valid, method="lax", dtype=dtype, **bound)
+        with P.secure_trace():
+            secure = P.topk_mask(scores, k, valid=valid, method="lax", dtype=dtype, **bound)
+        assert plain.dtype == secure.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(plain), np.asarray(secure))
+        assert np.all(np.asarray(plain).sum(-1) == 7)
+        fewer = plain * jnp.asarray(rng.rand(2, 3, 40) > 0.5, dtype)
+        for mask in (plain, fewer):
+            got = P.mask_onehot(mask, 9)
+            with P.secure_trace():
+                want = P.mask_onehot(mask, 9)
+            assert got.dtype == want.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            ones = np.asarray(mask).sum(-1).astype(int)
+            for index in np.ndindex(*ones.shape):
+                rows, n = np.asarray(got)[index], ones[index]
+                assert rows[:n].sum() == n and not rows[n:].any()
+                np.testing.assert_array_equal(np.flatnonzero(rows.sum(0)),
+                                              np.flatnonzero(np.asarray(mask)[index]))

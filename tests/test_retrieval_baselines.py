@@ -263,20 +263,23 @@ def test_ratio_budget_checked_against_the_prompt(tiny):
         _run(model, params, tokens, policy, 120, 1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def spu_sim():
-    spu = pytest.importorskip("spu")
-    from spu.utils import simulation
-    config = spu.RuntimeConfig(protocol=spu.ProtocolKind.ABY3, field=spu.FieldType.FM64)
-    return simulation, simulation.Simulator(3, config)
+    """runtime.mpc and a fresh three-party ABY3 simulator."""
+    pytest.importorskip("spu")
+    from runtime import mpc
+    return mpc, mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"), profile=False)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_compress_and_decode_step_run_under_spu(spu_sim, name):
-    """The same compress + attend code runs on secret inputs in SPU's ABY3 simulator and
-    matches XLA to fixed-point precision. PQ scores tie whenever tokens share codes, and SPU's
-    top_k breaks ties differently from XLA's, so PQCache uses the deterministic rank top-k."""
-    simulation, sim = spu_sim
+    """The same compress + attend code runs on secret inputs in SPU's ABY3 simulator, compiled
+    as every secure run is (`runtime.mpc`: traced for MPC, where plaintext-only paths such as
+    index gathers and scattered masks give way to one-hot arithmetic), and matches XLA to
+    fixed-point precision. PQ scores tie whenever tokens share codes, and SPU's top_k breaks
+    ties differently from XLA's, so PQCache uses the deterministic rank top-k. (One backend
+    per test: a simulator reused across these tests' programs stalled in its second share.)"""
+    mpc, backend = spu_sim
     rng = np.random.RandomState(0)
     Hkv, H, T, d, steps = 2, 4, 48, 8, 2
     k, v = (rng.randn(Hkv, T + steps, d).astype(np.float32) for _ in range(2))
@@ -291,6 +294,9 @@ def test_compress_and_decode_step_run_under_spu(spu_sim, name):
         state = policy.compress(cache, PrefillAux((prompt_q,), T), steps)[0]
         return policy.attend(0, q, k_new, k_new, state, None)[0]
 
-    want = np.asarray(jax.jit(step)(k, v, prompt_q, q, k_new))
-    got = np.asarray(simulation.sim_jax(sim, step)(k, v, prompt_q, q, k_new))
+    args = (k, v, prompt_q, q, k_new)
+    want = np.asarray(jax.jit(step)(*args))
+    program = backend.compile(step, args, mpc.SECRET)
+    out = backend.run(program, *[backend.share(a) for a in args])[0]
+    got = np.asarray(backend.reveal(out))
     assert np.abs(got - want).max() < 1e-2
