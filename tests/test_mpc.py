@@ -111,6 +111,41 @@ def test_newton_silu_under_aby3_matches_exact_silu():
                                atol=5e-3)
 
 
+def test_a_handle_collected_on_a_party_thread_is_freed_without_a_stall():
+    """A shared value's finalizer runs wherever the garbage collector does, here on a party's
+    own thread in the middle of a call: that call still ends, and the value is deleted from
+    every runtime by the next call (a finalizer that called the parties itself waited
+    forever for its own thread, as a reused simulator did in a test's second share)."""
+    import threading
+    backend = mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"), profile=False)
+    x = np.arange(6, dtype=np.float32)
+    box = [backend.share(x, mpc.SECRET)]
+    name = box[0].name
+
+    def job(rank, rt):
+        if rank == 0:
+            box.clear()        # the last reference dropped, so finalized, on party 0's thread
+        return rt.get_var(name) is not None
+
+    results = []
+    caller = threading.Thread(target=lambda: results.append(backend.parties.call(job)),
+                              daemon=True)
+    caller.start()
+    caller.join(timeout=60)
+    assert not caller.is_alive(), "a finalizer on a party's thread stalled the call"
+    assert results == [[True, True, True]] and not box
+
+    def has(rank, rt):
+        try:
+            rt.get_var(name)
+            return True
+        except Exception:
+            return False
+    assert backend.parties.call(has) == [False, False, False]      # deleted before this job
+    y = backend.share(x, mpc.SECRET)                       # the parties still serve
+    np.testing.assert_array_equal(np.asarray(backend.reveal(y)), x)
+
+
 def test_poly_activation_model_runs_jitted_and_stays_close(tiny):
     from models.model import Model
     model, params, prompt = tiny

@@ -263,9 +263,9 @@ def test_ratio_budget_checked_against_the_prompt(tiny):
         _run(model, params, tokens, policy, 120, 1)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def spu_sim():
-    """runtime.mpc and a fresh three-party ABY3 simulator."""
+    """runtime.mpc and a three-party ABY3 simulator shared by this module's tests."""
     pytest.importorskip("spu")
     from runtime import mpc
     return mpc, mpc.make_backend("spu_sim", mpc.MPCConfig(protocol="ABY3"), profile=False)
@@ -277,8 +277,7 @@ def test_compress_and_decode_step_run_under_spu(spu_sim, name):
     as every secure run is (`runtime.mpc`: traced for MPC, where plaintext-only paths such as
     index gathers and scattered masks give way to one-hot arithmetic), and matches XLA to
     fixed-point precision. PQ scores tie whenever tokens share codes, and SPU's top_k breaks
-    ties differently from XLA's, so PQCache uses the deterministic rank top-k. (One backend
-    per test: a simulator reused across these tests' programs stalled in its second share.)"""
+    ties differently from XLA's, so PQCache uses the deterministic rank top-k."""
     mpc, backend = spu_sim
     rng = np.random.RandomState(0)
     Hkv, H, T, d, steps = 2, 4, 48, 8, 2

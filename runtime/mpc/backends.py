@@ -18,7 +18,9 @@ stay secret-shared from step to step; only what the caller reveals is reconstruc
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import itertools
 import os
 import queue
@@ -98,9 +100,23 @@ class _Parties:
                         for r in range(world)]
         for t in self.threads:
             t.start()
+        # Names of values to delete, queued by `release` and deleted by the next `call`.
+        self.released: collections.deque = collections.deque()
+
+    def release(self, name: str) -> None:
+        """Delete variable `name` from every runtime with the next call. A handle's finalizer
+        runs wherever the garbage collector does: on a party's own thread (waiting there for
+        that party's reply would never end) or inside another call (whose replies a nested
+        call would take); so it only queues the name."""
+        self.released.append(name)
 
     def call(self, job: Callable) -> list:
         """Run job(rank, runtime) on every party at once; results in rank order."""
+        names = []
+        while self.released:
+            names.append(self.released.popleft())
+        if names:
+            job = functools.partial(_delete_then, names, job)
         for q in self.queues:
             q.put(job)
         replies = [q.get() for q in self.replies]
@@ -112,6 +128,15 @@ class _Parties:
     def close(self):
         for q in self.queues:
             q.put(None)
+
+
+def _delete_then(names: list, job: Callable, rank: int, rt):
+    for name in names:
+        try:
+            rt.del_var(name)
+        except Exception:   # (already gone)
+            pass
+    return job(rank, rt)
 
 
 class XLABackend:
@@ -205,10 +230,7 @@ class SpuSimBackend:
 
     def _free(self, name: str):
         if self._finalizer.alive:
-            try:
-                self.parties.call(lambda rank, rt: rt.del_var(name))
-            except Exception:  # the runtimes are shutting down
-                pass
+            self.parties.release(name)
 
     def share(self, tree, visibility=SECRET, owner: int = -1):
         """Secret-share (or publicly encode) every leaf into the parties' runtimes; `owner` is
