@@ -257,8 +257,14 @@ BLOCK_DIAGONAL_MAX = 1 << 21
 def block_diagonal(blocks: jax.Array) -> jax.Array:
     """[L, m, n] -> [L m, L n] with block i at rows i m.., columns i n.. and zeros elsewhere,
     by padding (data movement: free under MPC, where a product with a public 0/1 pattern
-    would cost a truncation of every entry)."""
+    would cost a truncation of every entry). Integer blocks under MPC are spread by that
+    product instead: an integer product needs no truncation, and a pad of each block of a
+    one-hot that a comparison made (a boolean share) converts it block by block (under ABY3
+    32 messages for 24 blocks, 1 as one product)."""
     L, m, n = blocks.shape
+    if tracing_for_mpc() and jnp.issubdtype(blocks.dtype, jnp.integer):
+        eye = np.eye(L, dtype=np.int32).astype(blocks.dtype)[:, None, :, None]
+        return (blocks[:, :, None, :] * eye).reshape(L * m, L * n)
     return jnp.concatenate([jnp.pad(blocks[i], ((0, 0), (i * n, (L - 1 - i) * n)))
                             for i in range(L)], axis=0)
 

@@ -319,3 +319,24 @@ def test_plaintext_masks_equal_the_secure_formulation(runtime_k):
                 assert rows[:n].sum() == n and not rows[n:].any()
                 np.testing.assert_array_equal(np.flatnonzero(rows.sum(0)),
                                               np.flatnonzero(np.asarray(mask)[index]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_block_diagonal_places_each_block_and_zeros_elsewhere(dtype):
+    """Padded (float, or plaintext) or spread by a product with the public identity (integers
+    traced for MPC): the same [L m, L n] matrix, and `batched_matmul` equals one product per
+    leading index through it."""
+    rng = np.random.RandomState(7)
+    blocks = (rng.randn(5, 2, 3) * 4).astype(dtype)
+    want = np.zeros((10, 15), dtype)
+    for i in range(5):
+        want[2 * i:2 * i + 2, 3 * i:3 * i + 3] = blocks[i]
+    np.testing.assert_array_equal(np.asarray(P.block_diagonal(jnp.asarray(blocks))), want)
+    with P.secure_trace():
+        traced = jax.jit(P.block_diagonal)(jnp.asarray(blocks))
+    assert traced.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(traced), want)
+    x = rng.randn(5, 3, 4).astype(np.float32)
+    with P.secure_trace():
+        got = P.batched_matmul(jnp.asarray(blocks), jnp.asarray(x), jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("lmn,lnp->lmp", blocks, x), rtol=1e-5)

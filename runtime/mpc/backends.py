@@ -244,7 +244,7 @@ class SpuSimBackend:
                     else self.libspu.Visibility.VIS_PUBLIC)
             shares = self.io.make_shares(arr, kind, owner)
             handle = self._handle(arr.shape, arr.dtype, v)
-            self.parties.call(lambda rank, rt, n=handle.name: rt.set_var(n, shares[rank]))
+            self.parties.call(lambda rank, rt, n=handle.name, s=shares: rt.set_var(n, s[rank]))
             del shares
             out.append(handle)
         return jax.tree_util.tree_unflatten(treedef, out)
