@@ -64,12 +64,16 @@ def _reference_clusters(policy, q, k, T):
     scores = np.einsum("hgd,htd->hgt", qg, k)                      # [H_kv, G, T]
     if policy.token_score in ("cosine", "key_cosine"):
         scores = scores / np.linalg.norm(k, axis=-1)[:, None]
-    token = scores.max(1) if policy.group_reduce == "max" else scores.sum(1)
+    mass = policy.cluster_score == "mass"
+    if mass:     # each head's weights relative to its sink-slot score, capped, summed
+        scores = np.exp(np.minimum(scores - scores[..., :1], 20.0))
+    token = scores.max(1) if policy.group_reduce == "max" and not mass else scores.sum(1)
     if policy.scope_for(Hkv) == "layer":
         token = token.sum(0, keepdims=True)
     chosen = []
     for row in token:
-        clusters = [row[i * c:(i + 1) * c].max() for i in range(1, start // c)]
+        reduce = np.sum if mass else np.max
+        clusters = [reduce(row[i * c:(i + 1) * c]) for i in range(1, start // c)]
         picked = set()
         for s in range(S):
             members = list(range(s, len(clusters), S))
@@ -103,6 +107,35 @@ def test_selection_is_each_stripes_best_clusters(scope):
             assert got == _reference_clusters(policy, q, k, T), score
             picks[score].append(got)
     assert picks["dot"] != picks["cosine"] != picks["key_cosine"] != picks["dot"]
+
+
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_mass_selection_is_each_stripes_heaviest_clusters(scope):
+    """cluster_score="mass": the clusters of the brute-force reference (exp of each score
+    less the sink slot's, capped, summed over the group's heads and the cluster); some
+    scores pass the cap. It picks otherwise than the best token does on these keys."""
+    T = 90
+    rng = np.random.RandomState(6)
+    queries = [(rng.randn(4, 8) * 6).astype(np.float32) for _ in range(5)]
+    scale = np.exp(rng.randn(T)).astype(np.float32)
+    chosen = {}
+    for score in ("mass", "max"):
+        policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
+                             select_scope=scope, refresh_every=1, cluster_score=score,
+                             token_score="dot")
+        state, k, v = _layer(policy, T, 4, scale=scale)
+        geo = policy.geometry(E.Extent(T, T))
+        m, start = policy.plan(T)
+        chosen[score] = []
+        for q in queries:
+            _, picked = policy.select(jnp.asarray(q), state, geo, m, start)
+            got = [set((np.asarray(row) + 1).tolist()) for row in np.asarray(picked)]
+            assert got == _reference_clusters(policy, q, k, T), score
+            chosen[score].append(got)
+        qg = np.stack(queries).reshape(5, 2, 2, 8) / np.sqrt(8)
+        relative = np.einsum("nhgd,htd->nhgt", qg, k)
+        assert (relative - relative[..., :1]).max() > 20.0     # the cap is exercised
+    assert chosen["mass"] != chosen["max"]
 
 
 def test_attention_equals_attending_to_the_gathered_tokens():

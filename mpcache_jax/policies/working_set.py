@@ -46,7 +46,13 @@ from mpcache_jax.cache import (LayerKV, append_token, nested_field, public_field
                                secret_field)
 from mpcache_jax.policies.base import PromptEvictionPolicy, new_region, prompt_kv
 
-CLUSTER_SCORES = ("max", "mean")
+CLUSTER_SCORES = ("max", "mean", "mass")
+TOKEN_WISE = ("max", "mass")    # cluster scores read every token's q . k
+# cluster_score="mass": the largest exponent a token's weight gets, its score less the sink
+# slot's. SmolLM2's scores reach 28.6 above the sink's (two 8192-token prompts, every layer
+# and head): exp(28.6) x the 192 scores of a cluster of 64 (3 query heads) passes the 2^44
+# that FM64 with 18 fraction bits holds; exp(20) x 768 (clusters of 256, 3 heads) does not.
+MASS_CAP = 20.0
 TOKEN_SCORES = ("auto", "dot", "cosine", "key_cosine")
 # token_score="auto" on models whose keys are RMS-normalised per head (QK-norm): a key's norm
 # there comes from the k-norm's learned scale, not the token, and misleads a dot product.
@@ -200,14 +206,19 @@ class WorkingSetMPCache(PromptEvictionPolicy):
       for every prompt of a power-of-two bucket.
     recent_min: tokens the recent window keeps at least while selection runs.
     cluster_score: "max" (a cluster scores its best token: the step's q . k over every
-      middle token, then a max over each cluster) or "mean" (its mean key's q . k: one product
-      with C digests computed once at prefill).
+      middle token, then a max over each cluster), "mass" (the attention mass the cluster
+      would get: the sum over its tokens and the group's query heads of exp(q . k / sqrt(d)
+      less the sink slot's score, capped at MASS_CAP); no comparison before the ranking:
+      under MPC an exponential and a sum in place of the maxima's tournament) or "mean" (its
+      mean key's q . k: one product with C digests computed once at prefill).
     token_score: "dot" (q . k), "cosine" (q . k / (|q| |k|)), "key_cosine" (q . k / |k|: the
       keys' norms only, computed once at prefill; no query norm per step) or "auto"
-      (AUTO_NORMALIZED_SCORE on models whose keys are RMS-normalised per head (QK-norm:
-      Gemma 3), dot otherwise); "max" only.
-    group_reduce: how a GQA group's query heads combine a token's score: "max" (best head)
-      or "sum"; a per-layer selection then sums over KV heads.
+      (with "max": AUTO_NORMALIZED_SCORE on models whose keys are RMS-normalised per head
+      (QK-norm: Gemma 3), dot otherwise; with "mass": dot, the attention's own logits);
+      "max" and "mass" only.
+    group_reduce: how a GQA group's query heads combine a token's score with
+      cluster_score="max": "max" (best head) or "sum"; a per-layer selection then sums over
+      KV heads. ("mass" sums the heads' weights.)
     select_scope: "layer" (one selection shared by the layer's heads), "head" (one per KV
       head) or "auto" (per head on models with at most 4 KV heads).
     tournament_fanin: under MPC, entries the cluster-max tournament ranks at once (a power
@@ -257,9 +268,9 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             raise ValueError(f"cluster_score={self.cluster_score!r}; use one of {CLUSTER_SCORES}")
         if self.token_score not in TOKEN_SCORES:
             raise ValueError(f"token_score={self.token_score!r}; use one of {TOKEN_SCORES}")
-        if self.token_score in ("cosine", "key_cosine") and self.cluster_score != "max":
+        if self.token_score in ("cosine", "key_cosine") and self.cluster_score not in TOKEN_WISE:
             raise ValueError(f"token_score={self.token_score!r} scores single tokens: it needs "
-                             "cluster_score='max'")
+                             "cluster_score='max' or 'mass'")
         if self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce={self.group_reduce!r}; use 'max' or 'sum'")
         if self.select_scope not in SELECT_SCOPES:
@@ -390,7 +401,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 total = jnp.sum(k.reshape(Hkv, geo.clusters, geo.cluster, d) * w, axis=2)
                 digest = total / jnp.maximum(jnp.sum(w, axis=2), 1.0)
             zeros = jnp.zeros((Hkv, geo.working, d), k.dtype)
-            token_major = self.cluster_score == "max"
+            token_major = self.cluster_score in TOKEN_WISE
             out.append(WorkingSetLayer(
                 k.transpose(1, 0, 2) if token_major else k, v,
                 self.stripe_rows(k, v, geo, rows), digest,
@@ -403,19 +414,20 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     def uses_cosine(self, aux) -> bool:
         """Whether token scores divide by the keys' norms (`token_score` cosine, key_cosine)."""
-        return self.cluster_score == "max" and self.resolved_score(aux) != "dot"
+        return self.cluster_score in TOKEN_WISE and self.resolved_score(aux) != "dot"
 
     def resolved_score(self, aux) -> str:
         """The token score this prompt's model gets ("dot", "cosine" or "key_cosine")."""
         if self.token_score != "auto":
             return self.token_score
+        if self.cluster_score == "mass":
+            return "dot"
         return AUTO_NORMALIZED_SCORE if aux.normalized_keys else "dot"
 
     def unit_queries(self) -> bool:
-        """Whether a step divides the queries by their norms (cosine; decided from the
-        configuration alone: with keys' norms in the state, auto is AUTO_NORMALIZED_SCORE)."""
-        score = AUTO_NORMALIZED_SCORE if self.token_score == "auto" else self.token_score
-        return score == "cosine"
+        """Whether a step divides the queries by their norms (token_score="cosine"; "auto"
+        never does)."""
+        return self.token_score == "cosine"
 
     def free_slots(self, cache) -> int:
         new = cache[0].new
@@ -440,6 +452,18 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         if cosine and self.unit_queries():
             qg = P.unit_rows(qg)
         flat = state.k.reshape(state.k.shape[0], Hkv * d)       # token-major k: [T, H_kv d]
+        if self.cluster_score == "mass":
+            token = flat @ P.block_diagonal(qg.transpose(0, 2, 1))          # [T, H_kv G]
+            token = token.reshape(-1, Hkv, G).transpose(1, 2, 0)             # [H_kv, G, T]
+            if cosine:
+                token = token * state.inv_norms[:, None]
+            # relative to the sink slot's score (a public position, no comparison); capped
+            # so that a cluster's sum stays inside fixed point under MPC
+            weight = jnp.exp(jnp.minimum(token - token[..., :1], MASS_CAP))
+            weight = jnp.sum(weight, axis=1)                                 # [H_kv, T]
+            if per_layer:
+                weight = jnp.sum(weight, axis=0, keepdims=True)
+            return jnp.sum(weight.reshape(weight.shape[0], geo.clusters, geo.cluster), -1)
         if per_layer and not cosine and (self.group_reduce == "sum" or G == 1):
             token = (flat @ jnp.sum(qg, axis=1).reshape(Hkv * d))[None]               # [1, T]
         else:
