@@ -65,8 +65,8 @@ def _reference_clusters(policy, q, k, T):
     if policy.token_score in ("cosine", "key_cosine"):
         scores = scores / np.linalg.norm(k, axis=-1)[:, None]
     mass = policy.cluster_score == "mass"
-    if mass:     # each head's weights relative to its sink-slot score, capped, summed
-        scores = np.exp(np.minimum(scores - scores[..., :1], 20.0))
+    if mass:     # each head's weights relative to its sink-slot score, halved, summed
+        scores = np.exp((scores - scores[..., :1]) * 0.5)
     token = scores.max(1) if policy.group_reduce == "max" and not mass else scores.sum(1)
     if policy.scope_for(Hkv) == "layer":
         token = token.sum(0, keepdims=True)
@@ -111,9 +111,9 @@ def test_selection_is_each_stripes_best_clusters(scope):
 
 @pytest.mark.parametrize("scope", ["layer", "head"])
 def test_mass_selection_is_each_stripes_heaviest_clusters(scope):
-    """cluster_score="mass": the clusters of the brute-force reference (exp of each score
-    less the sink slot's, capped, summed over the group's heads and the cluster); some
-    scores pass the cap. It picks otherwise than the best token does on these keys."""
+    """cluster_score="mass": the clusters of the brute-force reference (exp of half of each
+    score less the sink slot's, summed over the group's heads and the cluster). It picks
+    otherwise than the best token does on these keys."""
     T = 90
     rng = np.random.RandomState(6)
     queries = [(rng.randn(4, 8) * 6).astype(np.float32) for _ in range(5)]
@@ -132,9 +132,6 @@ def test_mass_selection_is_each_stripes_heaviest_clusters(scope):
             got = [set((np.asarray(row) + 1).tolist()) for row in np.asarray(picked)]
             assert got == _reference_clusters(policy, q, k, T), score
             chosen[score].append(got)
-        qg = np.stack(queries).reshape(5, 2, 2, 8) / np.sqrt(8)
-        relative = np.einsum("nhgd,htd->nhgt", qg, k)
-        assert (relative - relative[..., :1]).max() > 20.0     # the cap is exercised
     assert chosen["mass"] != chosen["max"]
 
 

@@ -48,11 +48,13 @@ from mpcache_jax.policies.base import PromptEvictionPolicy, new_region, prompt_k
 
 CLUSTER_SCORES = ("max", "mean", "mass")
 TOKEN_WISE = ("max", "mass")    # cluster scores read every token's q . k
-# cluster_score="mass": the largest exponent a token's weight gets, its score less the sink
-# slot's. SmolLM2's scores reach 28.6 above the sink's (two 8192-token prompts, every layer
-# and head): exp(28.6) x the 192 scores of a cluster of 64 (3 query heads) passes the 2^44
-# that FM64 with 18 fraction bits holds; exp(20) x 768 (clusters of 256, 3 heads) does not.
-MASS_CAP = 20.0
+# cluster_score="mass": a token's weight is exp(MASS_SCALE x (its score less the sink
+# slot's)). SmolLM2's scores reach 28.6 above the sink's (two 8192-token prompts, every
+# layer and head): exp(28.6) x the 192 scores of a cluster of 64 (3 query heads) would pass
+# the 2^44 that FM64 with 18 fraction bits holds. At half the exponent the sum stays inside
+# for exponents up to 47 (clusters of 256, 4 query heads), with no comparison: a cap (a
+# minimum over every score) cost 29 MB per step on two SmolLM2 layers at 8192 tokens.
+MASS_SCALE = 0.5
 TOKEN_SCORES = ("auto", "dot", "cosine", "key_cosine")
 # token_score="auto" on models whose keys are RMS-normalised per head (QK-norm): a key's norm
 # there comes from the k-norm's learned scale, not the token, and misleads a dot product.
@@ -207,10 +209,10 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     recent_min: tokens the recent window keeps at least while selection runs.
     cluster_score: "max" (a cluster scores its best token: the step's q . k over every
       middle token, then a max over each cluster), "mass" (the attention mass the cluster
-      would get: the sum over its tokens and the group's query heads of exp(q . k / sqrt(d)
-      less the sink slot's score, capped at MASS_CAP); no comparison before the ranking:
-      under MPC an exponential and a sum in place of the maxima's tournament) or "mean" (its
-      mean key's q . k: one product with C digests computed once at prefill).
+      would get, softened: the sum over its tokens and the group's query heads of exp of
+      MASS_SCALE x (q . k / sqrt(d) less the sink slot's score); no comparison before the
+      ranking: under MPC an exponential and a sum in place of the maxima's tournament) or
+      "mean" (its mean key's q . k: one product with C digests computed once at prefill).
     token_score: "dot" (q . k), "cosine" (q . k / (|q| |k|)), "key_cosine" (q . k / |k|: the
       keys' norms only, computed once at prefill; no query norm per step) or "auto"
       (with "max": AUTO_NORMALIZED_SCORE on models whose keys are RMS-normalised per head
@@ -457,9 +459,9 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             token = token.reshape(-1, Hkv, G).transpose(1, 2, 0)             # [H_kv, G, T]
             if cosine:
                 token = token * state.inv_norms[:, None]
-            # relative to the sink slot's score (a public position, no comparison); capped
-            # so that a cluster's sum stays inside fixed point under MPC
-            weight = jnp.exp(jnp.minimum(token - token[..., :1], MASS_CAP))
+            # relative to the sink slot's score (a public position: no comparison), scaled
+            # so that a cluster's sum stays inside fixed point under MPC (MASS_SCALE)
+            weight = jnp.exp((token - token[..., :1]) * MASS_SCALE)
             weight = jnp.sum(weight, axis=1)                                 # [H_kv, T]
             if per_layer:
                 weight = jnp.sum(weight, axis=0, keepdims=True)
