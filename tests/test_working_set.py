@@ -50,6 +50,14 @@ def _layer(policy, T, max_new, seed=0, Hkv=2, d=8, scale=None):
     return state, k, v
 
 
+def _picked_clusters(policy, q, state, T):
+    """The prompt clusters each selecting row picks for query q: [set of cluster indices]."""
+    geo = policy.geometry(E.Extent(T, T))
+    m, start = policy.plan(T)
+    _, picked = policy.select(jnp.asarray(q), state, geo, m, start)
+    return [set((np.asarray(row) + 1).tolist()) for row in np.asarray(picked)]
+
+
 def _reference_clusters(policy, q, k, T):
     """The clusters a selection picks, by brute force: token scores max / sum as configured,
     cluster maxima, middle clusters dealt round robin into stripes, each stripe's best m."""
@@ -97,13 +105,10 @@ def test_selection_is_each_stripes_best_clusters(scope):
         policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
                              select_scope=scope, refresh_every=1, token_score=score)
         state, k, v = _layer(policy, T, 4, scale=scale)
-        geo = policy.geometry(E.Extent(T, T))
-        m, start = policy.plan(T)
-        assert m >= 2 and (state.inv_norms is None) == (score == "dot")
+        assert policy.plan(T)[0] >= 2 and (state.inv_norms is None) == (score == "dot")
         picks[score] = []
         for q in queries:
-            onehot, picked = policy.select(jnp.asarray(q), state, geo, m, start)
-            got = [set((np.asarray(row) + 1).tolist()) for row in np.asarray(picked)]
+            got = _picked_clusters(policy, q, state, T)
             assert got == _reference_clusters(policy, q, k, T), score
             picks[score].append(got)
     assert picks["dot"] != picks["cosine"] != picks["key_cosine"] != picks["dot"]
@@ -124,12 +129,9 @@ def test_mass_selection_is_each_stripes_heaviest_clusters(scope):
                              select_scope=scope, refresh_every=1, cluster_score=score,
                              token_score="dot")
         state, k, v = _layer(policy, T, 4, scale=scale)
-        geo = policy.geometry(E.Extent(T, T))
-        m, start = policy.plan(T)
         chosen[score] = []
         for q in queries:
-            _, picked = policy.select(jnp.asarray(q), state, geo, m, start)
-            got = [set((np.asarray(row) + 1).tolist()) for row in np.asarray(picked)]
+            got = _picked_clusters(policy, q, state, T)
             assert got == _reference_clusters(policy, q, k, T), score
             chosen[score].append(got)
     assert chosen["mass"] != chosen["max"]

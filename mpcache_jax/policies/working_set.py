@@ -455,8 +455,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             qg = P.unit_rows(qg)
         flat = state.k.reshape(state.k.shape[0], Hkv * d)       # token-major k: [T, H_kv d]
         if self.cluster_score == "mass":
-            token = flat @ P.block_diagonal(qg.transpose(0, 2, 1))          # [T, H_kv G]
-            token = token.reshape(-1, Hkv, G).transpose(1, 2, 0)             # [H_kv, G, T]
+            token = self.head_scores(flat, qg)                               # [H_kv, G, T]
             if cosine:
                 token = token * state.inv_norms[:, None]
             # relative to the sink slot's score (a public position: no comparison), scaled
@@ -469,10 +468,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         if per_layer and not cosine and (self.group_reduce == "sum" or G == 1):
             token = (flat @ jnp.sum(qg, axis=1).reshape(Hkv * d))[None]               # [1, T]
         else:
-            # every head's queries against every token in one product with the queries
-            # block-diagonal [H_kv d, H_kv G] (a product per KV head is a round each)
-            token = flat @ P.block_diagonal(qg.transpose(0, 2, 1))          # [T, H_kv G]
-            token = token.reshape(-1, Hkv, G).transpose(1, 2, 0)             # [H_kv, G, T]
+            token = self.head_scores(flat, qg)                               # [H_kv, G, T]
             token = (jnp.sum(token, axis=1) if self.group_reduce == "sum"
                      else jnp.max(token, axis=1))                            # [H_kv, T]
         if cosine:
@@ -481,6 +477,15 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             token = jnp.sum(token, axis=0, keepdims=True)
         return P.group_max(token, geo.cluster, per_cluster,                 # [R, C] / [R, C, r]
                            fanin=self.fanin_for(Hkv))
+
+    @staticmethod
+    def head_scores(flat: jax.Array, qg: jax.Array) -> jax.Array:
+        """Every query head's q . k against every token: flat [T, H_kv d] token-major keys, qg
+        [H_kv, G, d] -> [H_kv, G, T], in one product with the queries block-diagonal
+        [H_kv d, H_kv G] (a product per KV head is a round each under MPC)."""
+        Hkv, G, _ = qg.shape
+        token = flat @ P.block_diagonal(qg.transpose(0, 2, 1))               # [T, H_kv G]
+        return token.reshape(-1, Hkv, G).transpose(1, 2, 0)
 
     def fused_runs(self, geo: Geometry, num_kv_heads: int) -> int:
         """Under MPC with one pick per stripe: the fan-in r of the cluster-max tournament's last
