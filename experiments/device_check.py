@@ -3,7 +3,8 @@ of `full` and the default policy at long prompts, timed, with the peak device me
 logits' largest difference from the same program on the CPU.
 
     python -m experiments.device_check [--models=llama2-d1024,smollm2-135m,gemma3-270m]
-        [--lengths=8192,32768] [--new_tokens=32] [--cpu_layers=2] [--host_loop] [--out=DIR]
+        [--lengths=8192,32768] [--new_tokens=32] [--cpu_layers=2] [--host_loop]
+        [--phases=time,compare] [--out=DIR]
 
 Weights: the registered model's real ones when its files are in the cache (no download is
 attempted), else random weights of the real geometry (kernels N(0, 1/fan_in), so activations
@@ -13,14 +14,13 @@ comparison runs the same prompt through the model cut to its first --cpu_layers 
 accelerator and on the CPU (a whole 32768-token model on the CPU would take most of an hour):
 prefill logits and every decode step's. Without an accelerator the CPU rows are printed and
 the comparison is skipped. Writes DIR/device_check.jsonl (one record per model, length and
-policy). --host_loop also times today's per-token host loop (one `Model.decode_step` call and
-one read of the token per step) beside the device loop. Uses no SPU: it runs on a current JAX
+policy). --phases=compare runs only the comparisons. --host_loop also times the per-token host
+loop (one `Model.decode_step` call and one read of the token per step) beside the device loop. Uses no SPU: it runs on a current JAX
 (scripts/xla_env.sh).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
@@ -152,6 +152,8 @@ def main(argv: list[str]) -> int:
                         help="layers of the model cut for the CPU comparison (0: none)")
     parser.add_argument("--host_loop", action="store_true",
                         help="also time the per-token host loop (Model.decode_step)")
+    parser.add_argument("--phases", default="time,compare",
+                        help="time: the timing rows; compare: the CPU comparisons")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/device_check")
     args = parser.parse_args(argv[1:])
@@ -170,13 +172,19 @@ def main(argv: list[str]) -> int:
         lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:
         parser.error(f"--lengths={args.lengths!r}: comma-separated integers")
+    phase_names = [p for p in args.phases.split(",") if p]
+    if not phase_names or set(phase_names) - {"time", "compare"}:
+        parser.error(f"--phases={args.phases!r}: a comma-separated subset of time,compare")
     if args.new_tokens < 2:
         parser.error("--new_tokens must be >= 2")
     device = jax.devices()[0]
     cpu = jax.devices("cpu")[0]
     accelerated = device.platform != "cpu"
+    compare = accelerated and args.cpu_layers > 0 and "compare" in phase_names
+    why_not = ("no accelerator" if not accelerated else "--cpu_layers=0" if not args.cpu_layers
+               else "--phases")
     print(f"jax {jax.__version__} on {device.platform} ({device.device_kind}); "
-          f"{'CPU comparison at ' + str(args.cpu_layers) + ' layers' if accelerated and args.cpu_layers else 'no accelerator: CPU rows, no comparison'}",
+          f"{f'CPU comparison at {args.cpu_layers} layers' if compare else f'no CPU comparison ({why_not})'}",
           flush=True)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -203,8 +211,8 @@ def main(argv: list[str]) -> int:
     # Timing rows first, then the CPU comparisons: a run cut off by a time limit keeps every
     # timing row it finished.
     phases = [("time", name, length, p) for name in models for length in lengths
-              for p in policies]
-    if accelerated and args.cpu_layers:
+              for p in policies] if "time" in phase_names else []
+    if compare:
         phases += [("compare", name, length, p) for name in models for length in lengths
                    for p in policies]
     for phase, name, length, policy_name in phases:

@@ -201,3 +201,19 @@ lm.model.prefill(lm.params, list(range(1, 200)), lm.model.init_cache(210))
     assert second.returncode == 0, second.stderr[-3000:]
     hit = "Persistent compilation cache hit for 'jit__prefill'"
     assert hit not in first.stderr and hit in second.stderr
+
+
+def test_device_check_runs_only_the_phases_asked_for(tmp_path, capsys):
+    """experiments.device_check: --phases picks timing rows and/or CPU comparisons; a bad
+    value is a usage error naming the choices; without an accelerator the comparisons are
+    skipped with the reason printed and an empty record file."""
+    from experiments import device_check
+    with pytest.raises(SystemExit) as err:
+        device_check.main(["device_check", "--phases=timing", f"--out={tmp_path}"])
+    assert err.value.code == 2
+    assert "time,compare" in capsys.readouterr().err
+    assert device_check.main(["device_check", "--phases=compare", "--models=llama-tiny",
+                              "--lengths=64", f"--out={tmp_path}"]) == 0
+    if jax.devices()[0].platform == "cpu":
+        assert "no CPU comparison (no accelerator)" in capsys.readouterr().out
+        assert (tmp_path / "device_check.jsonl").read_text() == ""
