@@ -213,9 +213,53 @@ def test_staggered_layers_take_turns(traced_layer):
         make_policy("mpcache", 0.1, stagger_layers=1)
 
 
+@pytest.mark.parametrize("refresh_every", [1, 2])
+def test_shared_layers_gather_their_own_keys_at_the_selecting_layers_picks(refresh_every):
+    """share_layers=2: layers 0 and 2 select for their own queries; layers 1 and 3 take the
+    picks of the layer before (per KV head) whatever their query, and gather their own keys
+    and values there; between refreshes every layer keeps its working set."""
+    policy = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
+                         refresh_every=refresh_every, share_layers=2)
+    alone = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
+                        refresh_every=refresh_every)
+    rng = np.random.RandomState(11)
+    layers = [_layer(policy, 70, 8, seed=layer) for layer in range(4)]
+    states = [s for s, _, _ in layers]
+    differed = False             # a shared layer's own query would have chosen otherwise
+    for step in range(4):
+        carry = None
+        before = [np.asarray(s.working_k) for s in states]
+        for layer in range(4):
+            q = jnp.asarray(rng.randn(4, 8).astype(np.float32) * 3)
+            own = _picked_clusters(alone, q, states[layer], 70)
+            _, states[layer], carry = policy.attend(layer, q, jnp.zeros((2, 8)),
+                                                    jnp.zeros((2, 8)), states[layer], carry)
+            picked = [set((row + 1).tolist()) for row in np.asarray(states[layer].picked)]
+            if step % refresh_every:
+                np.testing.assert_array_equal(np.asarray(states[layer].working_k),
+                                              before[layer])
+                continue
+            if layer % 2 == 0:
+                assert picked == own, (step, layer)
+            else:
+                leader = [set((row + 1).tolist()) for row in np.asarray(states[layer - 1].picked)]
+                assert picked == leader, (step, layer)
+                differed |= picked != own
+                k = layers[layer][1]                  # this layer's own keys at those clusters
+                want = np.stack([np.concatenate([k[h, 4 * c:4 * c + 4] for c in
+                                                 np.asarray(states[layer].picked)[h] + 1])
+                                 for h in range(2)])
+                np.testing.assert_allclose(np.asarray(states[layer].working_k), want)
+    assert differed
+
+
 def test_bad_settings_and_buckets_are_refused_with_the_setting_named():
     with pytest.raises(ValueError, match="refresh_every=0 must be an integer >= 1"):
         make_policy("mpcache", 0.1, refresh_every=0)
+    with pytest.raises(ValueError, match="share_layers=0 must be an integer >= 1"):
+        make_policy("mpcache", 0.1, share_layers=0)
+    with pytest.raises(ValueError, match="stagger_layers=True gives each layer its own"):
+        make_policy("mpcache", 0.1, share_layers=2, stagger_layers=True)
     with pytest.raises(ValueError, match="cluster_score='best'"):
         make_policy("mpcache", 0.1, cluster_score="best")
     with pytest.raises(ValueError, match="cluster_size=1 must be a power of two >= 2"):

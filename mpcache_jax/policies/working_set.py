@@ -223,6 +223,12 @@ class WorkingSetMPCache(PromptEvictionPolicy):
       KV heads. ("mass" sums the heads' weights.)
     select_scope: "layer" (one selection shared by the layer's heads), "head" (one per KV
       head) or "auto" (per head on models with at most 4 KV heads).
+    share_layers: layers that share one selection (the paper's cross-layer index sharing):
+      evicting layer l selects when l is a multiple of share_layers, and the next
+      share_layers - 1 layers gather their own keys and values at the clusters it picked
+      (per KV head: head h takes head h's picks). 1 = every layer selects. Above 1 the
+      selection crosses layers in the decode step's carry, so the layers run one after
+      another, not as a loop.
     tournament_fanin: under MPC, entries the cluster-max tournament ranks at once (a power
       of two: (f - 1) / 2 comparisons per token and two comparison rounds per stage); 0 =
       AUTO_FANIN_ONE_ROW where a layer selects once (shared by its heads, or one KV head),
@@ -239,6 +245,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     topk_method: str = "rank"
     refresh_every: int = 2
     stagger_layers: bool = False
+    share_layers: int = 1
     cluster_size: int = 0
     candidates: int = 128
     stripes: int = 0
@@ -251,13 +258,17 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        for name, low in (("refresh_every", 1), ("candidates", 2), ("recent_min", 0),
-                          ("cluster_size", 0), ("stripes", 0)):
+        for name, low in (("refresh_every", 1), ("share_layers", 1), ("candidates", 2),
+                          ("recent_min", 0), ("cluster_size", 0), ("stripes", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an integer >= {low}")
         if not isinstance(self.stagger_layers, bool):
             raise ValueError(f"stagger_layers={self.stagger_layers!r} must be True or False")
+        if self.stagger_layers and self.share_layers > 1:
+            raise ValueError("stagger_layers=True gives each layer its own refresh steps; a "
+                             f"selection shared by layers (share_layers={self.share_layers}) "
+                             "needs one schedule: set one of them to its default")
         fanin = self.tournament_fanin
         if isinstance(fanin, bool) or not isinstance(fanin, int) or (
                 fanin and (fanin < 2 or fanin & (fanin - 1))):
@@ -565,20 +576,28 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         return (jnp.asarray(row) < m).astype(jnp.float32)
 
     # --- decoding ------------------------------------------------------------------------------
-    def refresh(self, layer, q, state: WorkingSetLayer) -> WorkingSetLayer:
+    def refresh(self, layer, q, state: WorkingSetLayer, carry=None):
         """A new working set for this step (the public schedule decides when:
-        `refresh_every`); a `lax.cond` on a public predicate runs one branch on XLA and SPU."""
+        `refresh_every`); a `lax.cond` on a public predicate runs one branch on XLA and SPU.
+        Under `share_layers` a layer that does not select gathers at the picks in `carry`
+        (one-hot [R, S, m_max, n_b] and picks [R, S m_max] of the layer that did).
+        Returns (state, carry)."""
         extent = state.extent()
         geo = self.geometry(extent)
         m, start = self.counts(extent)
         if isinstance(m, (int, np.integer)) and m == 0:
-            return state
+            return state, carry
+        selects = self.share_layers == 1 or carry is None or layer % self.share_layers == 0
+        shares = self.share_layers > 1
 
         def fresh():
-            onehot, picked = self.select(q, state, geo, m, start)
-            return (*self.gather(onehot, state, geo), picked)
+            if selects:
+                onehot, picked = self.select(q, state, geo, m, start)
+            else:
+                onehot, picked = carry
+            return (*self.gather(onehot, state, geo), picked) + ((onehot,) if shares else ())
         if self.refresh_every == 1:
-            k, v, picked = fresh()
+            k, v, picked, *onehot = fresh()
         else:
             # (only the working set goes through the branch: under vmap a batched predicate
             # turns it into a select of its outputs)
@@ -588,12 +607,18 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 due = ((step + layer) % self.refresh_every == 0) | (step == 0)
             else:
                 due = step % self.refresh_every == 0
-            k, v, picked = jax.lax.cond(
-                due, fresh, lambda: (state.working_k, state.working_v, state.picked))
-        return state.replace(working_k=k, working_v=v, picked=picked)
+            # (a reuse step hands the next layers zeros: they reuse their own working sets)
+            kept = (state.working_k, state.working_v, state.picked) + (
+                (jnp.zeros_like(carry[0]) if carry is not None and not selects else
+                 jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                        jax.eval_shape(fresh)[3]),) if shares else ())
+            k, v, picked, *onehot = jax.lax.cond(due, fresh, lambda: kept)
+        if shares:
+            carry = (onehot[0], picked)
+        return state.replace(working_k=k, working_v=v, picked=picked), carry
 
     def attend(self, layer, q, k_new, v_new, state: WorkingSetLayer, carry):
-        state = self.refresh(layer, q, state)
+        state, carry = self.refresh(layer, q, state, carry)
         new = append_token(state.new, k_new, v_new)
         extent = state.extent()
         geo = self.geometry(extent)
@@ -633,7 +658,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     def attended_slots(self, layer, q, state: WorkingSetLayer, carry) -> jax.Array:
         """0/1 [H_kv, C c]: the prompt-region slots this step attends to (analysis)."""
-        state = self.refresh(layer, q, state)
+        state, _ = self.refresh(layer, q, state, carry)
         extent = state.extent()
         geo = self.geometry(extent)
         m, start = self.counts(extent)
