@@ -72,7 +72,7 @@ def _reference_clusters(policy, q, k, T):
     scores = np.einsum("hgd,htd->hgt", qg, k)                      # [H_kv, G, T]
     if policy.token_score in ("cosine", "key_cosine"):
         scores = scores / np.linalg.norm(k, axis=-1)[:, None]
-    mass = policy.cluster_score == "mass"
+    mass = policy.resolved_cluster_score(PrefillAux(None, T)) == "mass"
     if mass:     # each head's weights relative to its sink-slot score, halved, summed
         scores = np.exp((scores - scores[..., :1]) * 0.5)
     token = scores.max(1) if policy.group_reduce == "max" and not mass else scores.sum(1)
@@ -374,9 +374,9 @@ def test_auto_token_score_divides_by_the_keys_norms_on_models_with_normalized_ke
     queries = [jnp.asarray(rng.randn(4, 8).astype(np.float32) * rng.uniform(0.2, 5, (4, 1)))
                for _ in range(4)]
 
-    def picks(score):
+    def picks(score, cluster_score="max"):
         policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
-                             token_score=score)
+                             token_score=score, cluster_score=cluster_score)
         state = policy.compress((dense,), aux, 4)[0]
         geo = policy.geometry(E.Extent(T, T))
         m, start = policy.plan(T)
@@ -387,3 +387,32 @@ def test_auto_token_score_divides_by_the_keys_norms_on_models_with_normalized_ke
     want = {s: picks(s)[1] for s in ("dot", "cosine", "key_cosine")}
     assert want["dot"] != want["key_cosine"] != want["cosine"]
     assert auto == want["key_cosine" if normalized_keys else "dot"]
+
+
+@pytest.mark.parametrize("normalized_keys", [False, True])
+def test_auto_cluster_score_is_the_mass_on_models_with_normalized_keys(normalized_keys):
+    """cluster_score="auto" (the default) decides at prefill: with QK-norm the layers score
+    clusters by their mass (token score q . k, no key norms) and pick as cluster_score="mass"
+    does; otherwise by their best token, as "max"."""
+    T = 90
+    rng = np.random.RandomState(12)
+    k = (rng.randn(2, T, 8) * np.exp(rng.randn(T))[None, :, None]).astype(np.float32)
+    dense = fill_prefix(empty_layer(2, T + 4, 8), jnp.asarray(k), jnp.asarray(k))
+    aux = PrefillAux(None, T, normalized_keys=normalized_keys)
+    queries = [jnp.asarray(rng.randn(4, 8).astype(np.float32) * 6) for _ in range(4)]
+
+    def picks(cluster_score):
+        policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
+                             cluster_score=cluster_score)
+        state = policy.compress((dense,), aux, 4)[0]
+        geo = policy.geometry(E.Extent(T, T))
+        m, start = policy.plan(T)
+        return state, [np.asarray(policy.select(q, state, geo, m, start)[1]).tolist()
+                       for q in queries]
+    state, auto = picks("auto")
+    assert make_policy("mpcache", 0.1).cluster_score == "auto"
+    assert state.score == ("mass" if normalized_keys else "max")
+    assert state.inv_norms is None                   # the mass and the maxima here: q . k
+    want = {score: picks(score)[1] for score in ("max", "mass")}
+    assert want["max"] != want["mass"]
+    assert auto == want["mass" if normalized_keys else "max"]

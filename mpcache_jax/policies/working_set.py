@@ -46,7 +46,7 @@ from mpcache_jax.cache import (LayerKV, append_token, nested_field, public_field
                                secret_field)
 from mpcache_jax.policies.base import PromptEvictionPolicy, new_region, prompt_kv
 
-CLUSTER_SCORES = ("max", "mean", "mass")
+CLUSTER_SCORES = ("auto", "max", "mean", "mass")
 TOKEN_WISE = ("max", "mass")    # cluster scores read every token's q . k
 # cluster_score="mass": a token's weight is exp(MASS_SCALE x (its score less the sink
 # slot's)). SmolLM2's scores reach 28.6 above the sink's (two 8192-token prompts, every
@@ -55,6 +55,14 @@ TOKEN_WISE = ("max", "mass")    # cluster scores read every token's q . k
 # for exponents up to 47 (clusters of 256, 4 query heads), with no comparison: a cap (a
 # minimum over every score) cost 29 MB per step on two SmolLM2 layers at 8192 tokens.
 MASS_SCALE = 0.5
+# cluster_score="auto": the mass on models whose keys are RMS-normalised per head (QK-norm:
+# Gemma 3), the maxima otherwise. Under QK-norm every key has one norm, so one token's score
+# stands out little from its cluster's (Gemma's q . k / |k| spans ~1.4 over a prompt) and a
+# cluster's summed weight carries more of the query's evidence; SmolLM2's scores reach 28.6
+# above the sink's and its answers follow the best token. On Gemma the mass answered more at
+# 2048 tokens (pooled 0.309 against 0.253, n = 30 per set) and as many at 8192, with fewer
+# messages at both (docs/results.md, "Fidelity of the default"); on SmolLM2 fewer at 2048.
+AUTO_NORMALIZED_CLUSTER_SCORE = "mass"
 TOKEN_SCORES = ("auto", "dot", "cosine", "key_cosine")
 # token_score="auto" on models whose keys are RMS-normalised per head (QK-norm): a key's norm
 # there comes from the k-norm's learned scale, not the token, and misleads a dot product.
@@ -151,7 +159,8 @@ class WorkingSetLayer:
     [H_kv, W, d] the gathered clusters (W = Geometry.working); picked: int32 [R, S m_max]
     the middle cluster behind each working-set cluster (analysis only); new: LayerKV of the
     generated tokens; prompt_len: static prompt slots; length: int32 [] real prompt tokens of
-    a bucketed prompt (None: static); low: the bucket's smallest length."""
+    a bucketed prompt (None: static); low: the bucket's smallest length; score: the cluster
+    score this model's prompt resolved to ("max", "mean" or "mass")."""
 
     k: jax.Array = secret_field()
     v: jax.Array = secret_field()
@@ -166,6 +175,7 @@ class WorkingSetLayer:
     length: jax.Array | None = public_field(default=None)
     low: int = flax.struct.field(pytree_node=False, default=1)
     token_major: bool = flax.struct.field(pytree_node=False, default=False)
+    score: str = flax.struct.field(pytree_node=False, default="max")
 
     def extent(self) -> E.Extent:
         if self.length is None:
@@ -207,7 +217,9 @@ class WorkingSetMPCache(PromptEvictionPolicy):
       as the budget of the smallest prompt of the geometry length holds clusters, so m >= 1
       for every prompt of a power-of-two bucket.
     recent_min: tokens the recent window keeps at least while selection runs.
-    cluster_score: "max" (a cluster scores its best token: the step's q . k over every
+    cluster_score: "auto" (AUTO_NORMALIZED_CLUSTER_SCORE on models whose keys are
+      RMS-normalised per head (QK-norm: Gemma 3), "max" otherwise), "max" (a cluster scores
+      its best token: the step's q . k over every
       middle token, then a max over each cluster), "mass" (the attention mass the cluster
       would get, softened: the sum over its tokens and the group's query heads of exp of
       MASS_SCALE x (q . k / sqrt(d) less the sink slot's score); no comparison before the
@@ -250,7 +262,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     candidates: int = 128
     stripes: int = 0
     recent_min: int = 32
-    cluster_score: str = "max"
+    cluster_score: str = "auto"
     token_score: str = "auto"
     group_reduce: str = "max"
     select_scope: str = "auto"
@@ -281,7 +293,8 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             raise ValueError(f"cluster_score={self.cluster_score!r}; use one of {CLUSTER_SCORES}")
         if self.token_score not in TOKEN_SCORES:
             raise ValueError(f"token_score={self.token_score!r}; use one of {TOKEN_SCORES}")
-        if self.token_score in ("cosine", "key_cosine") and self.cluster_score not in TOKEN_WISE:
+        if (self.token_score in ("cosine", "key_cosine")
+                and self.cluster_score not in TOKEN_WISE + ("auto",)):
             raise ValueError(f"token_score={self.token_score!r} scores single tokens: it needs "
                              "cluster_score='max' or 'mass'")
         if self.group_reduce not in ("max", "sum"):
@@ -401,6 +414,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         geo = self.geometry(extent)
         T = extent.capacity
         cosine = self.uses_cosine(aux)
+        score = self.resolved_cluster_score(aux)
         valid = E.iota_lt(geo.region, extent.length)                       # [C c] public
         out = []
         for layer in cache:
@@ -409,12 +423,12 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             Hkv, _, d = k.shape
             rows = 1 if self.scope_for(Hkv) == "layer" else Hkv
             digest = None
-            if self.cluster_score == "mean":
+            if score == "mean":
                 w = jnp.asarray(valid, k.dtype).reshape(1, geo.clusters, geo.cluster, 1)
                 total = jnp.sum(k.reshape(Hkv, geo.clusters, geo.cluster, d) * w, axis=2)
                 digest = total / jnp.maximum(jnp.sum(w, axis=2), 1.0)
             zeros = jnp.zeros((Hkv, geo.working, d), k.dtype)
-            token_major = self.cluster_score in TOKEN_WISE
+            token_major = score in TOKEN_WISE
             out.append(WorkingSetLayer(
                 k.transpose(1, 0, 2) if token_major else k, v,
                 self.stripe_rows(k, v, geo, rows), digest,
@@ -422,18 +436,25 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 jnp.zeros((rows, geo.stripes * geo.picks), jnp.int32),
                 new_region(layer, max_new_tokens), prompt_len=T,
                 length=None if extent.static else extent.length, low=extent.low,
-                token_major=token_major))
+                token_major=token_major, score=score))
         return tuple(out)
 
     def uses_cosine(self, aux) -> bool:
         """Whether token scores divide by the keys' norms (`token_score` cosine, key_cosine)."""
-        return self.cluster_score in TOKEN_WISE and self.resolved_score(aux) != "dot"
+        return (self.resolved_cluster_score(aux) in TOKEN_WISE
+                and self.resolved_score(aux) != "dot")
+
+    def resolved_cluster_score(self, aux) -> str:
+        """The cluster score this prompt's model gets ("max", "mean" or "mass")."""
+        if self.cluster_score != "auto":
+            return self.cluster_score
+        return AUTO_NORMALIZED_CLUSTER_SCORE if aux.normalized_keys else "max"
 
     def resolved_score(self, aux) -> str:
         """The token score this prompt's model gets ("dot", "cosine" or "key_cosine")."""
         if self.token_score != "auto":
             return self.token_score
-        if self.cluster_score == "mass":
+        if self.resolved_cluster_score(aux) == "mass":
             return "dot"
         return AUTO_NORMALIZED_SCORE if aux.normalized_keys else "dot"
 
@@ -456,7 +477,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         G = q.shape[0] // Hkv
         qg = q.reshape(Hkv, G, d) * (1.0 / math.sqrt(d))
         per_layer = self.scope_for(Hkv) == "layer"
-        if self.cluster_score == "mean":
+        if state.score == "mean":
             # linear in q: the group's queries are summed first, one product with the digests
             if per_layer:
                 return jnp.einsum("hd,hcd->c", jnp.sum(qg, axis=1), state.digest)[None]
@@ -465,7 +486,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         if cosine and self.unit_queries():
             qg = P.unit_rows(qg)
         flat = state.k.reshape(state.k.shape[0], Hkv * d)       # token-major k: [T, H_kv d]
-        if self.cluster_score == "mass":
+        if state.score == "mass":
             token = self.head_scores(flat, qg)                               # [H_kv, G, T]
             if cosine:
                 token = token * state.inv_norms[:, None]
@@ -498,13 +519,13 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         token = flat @ P.block_diagonal(qg.transpose(0, 2, 1))               # [T, H_kv G]
         return token.reshape(-1, Hkv, G).transpose(1, 2, 0)
 
-    def fused_runs(self, geo: Geometry, num_kv_heads: int) -> int:
+    def fused_runs(self, geo: Geometry, num_kv_heads: int, score: str = "max") -> int:
         """Under MPC with one pick per stripe: the fan-in r of the cluster-max tournament's last
         stage when the top-1 of each stripe can take that stage's place (its r x n_b partial
         maxima ranked at once pick the same cluster, ties to the lower index as before: one
         stage = two comparison rounds fewer per refresh). 1: no fusion (plaintext, m_max > 1,
         mean scores, a one-stage tournament, or a last stage wider than FUSED_MAX_RUNS)."""
-        if (geo.picks != 1 or self.cluster_score != "max" or not P.tracing_for_mpc()):
+        if (geo.picks != 1 or score != "max" or not P.tracing_for_mpc()):
             return 1
         fanins = P.tournament_fanins(geo.cluster, self.fanin_for(num_kv_heads))
         if len(fanins) < 2 or fanins[-1] > FUSED_MAX_RUNS:
@@ -515,7 +536,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         """This step's choice: integer one-hot [R, S, m_max, n_b] over each stripe's candidate
         slots (rows past m zero), and the middle cluster of each picked row [R, S m_max]."""
         S, n = geo.stripes, geo.per_stripe
-        r = self.fused_runs(geo, state.kv_heads[0])
+        r = self.fused_runs(geo, state.kv_heads[0], state.score)
         scores = self.cluster_scores(q, state, geo, r)[:, 1:]               # middle clusters
         scores = scores.reshape(scores.shape[0], -1, r)                       # [R, C_mid, r]
         R, C_mid, _ = scores.shape
