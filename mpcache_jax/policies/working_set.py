@@ -57,11 +57,12 @@ TOKEN_WISE = ("max", "mass")    # cluster scores read every token's q . k
 MASS_SCALE = 0.5
 # cluster_score="auto": the mass on models whose keys are RMS-normalised per head (QK-norm:
 # Gemma 3), the maxima otherwise. Under QK-norm every key has one norm, so one token's score
-# stands out little from its cluster's (Gemma's q . k / |k| spans ~1.4 over a prompt) and a
-# cluster's summed weight carries more of the query's evidence; SmolLM2's scores reach 28.6
-# above the sink's and its answers follow the best token. On Gemma the mass answered more at
-# 2048 tokens (pooled 0.309 against 0.253, n = 30 per set) and as many at 8192, with fewer
-# messages at both (docs/results.md, "Fidelity of the default"); on SmolLM2 fewer at 2048.
+# stands out little from its cluster's and a cluster's summed weight carries more of the
+# query's evidence; SmolLM2's best tokens stand far above the rest (up to 28.6 above the
+# sink's score) and its answers follow them. On Gemma the mass answered more at 2048 tokens
+# (pooled 0.309 against 0.253, n = 30 per set) and about as many at 8192 (0.215 against
+# 0.228), with fewer messages at both; on SmolLM2 fewer at 2048 (docs/results.md, "Fidelity
+# of the default").
 AUTO_NORMALIZED_CLUSTER_SCORE = "mass"
 TOKEN_SCORES = ("auto", "dot", "cosine", "key_cosine")
 # token_score="auto" on models whose keys are RMS-normalised per head (QK-norm): a key's norm
