@@ -15,8 +15,8 @@ accelerator and on the CPU (a whole 32768-token model on the CPU would take most
 prefill logits and every decode step's. Without an accelerator the CPU rows are printed and
 the comparison is skipped. Writes DIR/device_check.jsonl (one record per model, length and
 policy). --phases=compare runs only the comparisons. --host_loop also times the per-token host
-loop (one `Model.decode_step` call and one read of the token per step) beside the device loop. Uses no SPU: it runs on a current JAX
-(scripts/xla_env.sh).
+loop (one `Model.decode_step` call and one read of the token per step) beside the device
+loop. Uses no SPU: it runs on a current JAX (scripts/xla_env.sh).
 """
 from __future__ import annotations
 
