@@ -359,6 +359,16 @@ def test_secure_gather_moves_the_picked_clusters_exactly(scope, spread, monkeypa
     assert ("batching_dims" in hlo) == (not spread)
 
 
+def _picks_for_queries(dense, aux, T, queries, **options):
+    """(layer state, each query's picks) of a policy compressed from one dense layer."""
+    policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4, **options)
+    state = policy.compress((dense,), aux, 4)[0]
+    geo = policy.geometry(E.Extent(T, T))
+    m, start = policy.plan(T)
+    return state, [np.asarray(policy.select(q, state, geo, m, start)[1]).tolist()
+                   for q in queries]
+
+
 @pytest.mark.parametrize("normalized_keys", [False, True])
 def test_auto_token_score_divides_by_the_keys_norms_on_models_with_normalized_keys(
         normalized_keys):
@@ -374,14 +384,9 @@ def test_auto_token_score_divides_by_the_keys_norms_on_models_with_normalized_ke
     queries = [jnp.asarray(rng.randn(4, 8).astype(np.float32) * rng.uniform(0.2, 5, (4, 1)))
                for _ in range(4)]
 
-    def picks(score, cluster_score="max"):
-        policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
-                             token_score=score, cluster_score=cluster_score)
-        state = policy.compress((dense,), aux, 4)[0]
-        geo = policy.geometry(E.Extent(T, T))
-        m, start = policy.plan(T)
-        return state, [np.asarray(policy.select(q, state, geo, m, start)[1]).tolist()
-                       for q in queries]
+    def picks(score):
+        return _picks_for_queries(dense, aux, T, queries, token_score=score,
+                                  cluster_score="max")
     state, auto = picks("auto")
     assert (state.inv_norms is not None) == normalized_keys
     want = {s: picks(s)[1] for s in ("dot", "cosine", "key_cosine")}
@@ -402,13 +407,7 @@ def test_auto_cluster_score_is_the_mass_on_models_with_normalized_keys(normalize
     queries = [jnp.asarray(rng.randn(4, 8).astype(np.float32) * 6) for _ in range(4)]
 
     def picks(cluster_score):
-        policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
-                             cluster_score=cluster_score)
-        state = policy.compress((dense,), aux, 4)[0]
-        geo = policy.geometry(E.Extent(T, T))
-        m, start = policy.plan(T)
-        return state, [np.asarray(policy.select(q, state, geo, m, start)[1]).tolist()
-                       for q in queries]
+        return _picks_for_queries(dense, aux, T, queries, cluster_score=cluster_score)
     state, auto = picks("auto")
     assert make_policy("mpcache", 0.1).cluster_score == "auto"
     assert state.score == ("mass" if normalized_keys else "max")

@@ -146,7 +146,7 @@ class WorkingSetLayer:
     """One layer's decode state.
 
     k, v: [H_kv, C c, d] the prompt region (the dense prefill cache, padded to whole
-    clusters); with token_major (cluster_score="max"), k is [C c, H_kv, d]: a step scores
+    clusters); token_major (cluster scores "max" and "mass"): k is [C c, H_kv, d]: a step scores
     every token with one product [C c, H_kv d] x [H_kv d] (a selection shared by the heads:
     under ABY3 ~14x less compute than the same sum as a product per head at 4096 tokens) or
     x [H_kv d, H_kv G] (the queries block-diagonal: one round instead of one per KV head);
@@ -175,13 +175,17 @@ class WorkingSetLayer:
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
     length: jax.Array | None = public_field(default=None)
     low: int = flax.struct.field(pytree_node=False, default=1)
-    token_major: bool = flax.struct.field(pytree_node=False, default=False)
     score: str = flax.struct.field(pytree_node=False, default="max")
 
     def extent(self) -> E.Extent:
         if self.length is None:
             return E.Extent(self.prompt_len, self.prompt_len)
         return E.Extent(self.prompt_len, self.length, self.low)
+
+    @property
+    def token_major(self) -> bool:
+        """Whether k is stored [C c, H_kv, d] (cluster scores that read every token)."""
+        return self.score in TOKEN_WISE
 
     @property
     def kv_heads(self) -> tuple[int, int]:
@@ -429,15 +433,14 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 total = jnp.sum(k.reshape(Hkv, geo.clusters, geo.cluster, d) * w, axis=2)
                 digest = total / jnp.maximum(jnp.sum(w, axis=2), 1.0)
             zeros = jnp.zeros((Hkv, geo.working, d), k.dtype)
-            token_major = score in TOKEN_WISE
             out.append(WorkingSetLayer(
-                k.transpose(1, 0, 2) if token_major else k, v,
+                k.transpose(1, 0, 2) if score in TOKEN_WISE else k, v,
                 self.stripe_rows(k, v, geo, rows), digest,
                 P.inverse_norms(k) if cosine else None, zeros, zeros,
                 jnp.zeros((rows, geo.stripes * geo.picks), jnp.int32),
                 new_region(layer, max_new_tokens), prompt_len=T,
                 length=None if extent.static else extent.length, low=extent.low,
-                token_major=token_major, score=score))
+                score=score))
         return tuple(out)
 
     def uses_cosine(self, aux) -> bool:
@@ -629,11 +632,10 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 due = ((step + layer) % self.refresh_every == 0) | (step == 0)
             else:
                 due = step % self.refresh_every == 0
-            # (a reuse step hands the next layers zeros: they reuse their own working sets)
-            kept = (state.working_k, state.working_v, state.picked) + (
-                (jnp.zeros_like(carry[0]) if carry is not None and not selects else
-                 jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                        jax.eval_shape(fresh)[3]),) if shares else ())
+            kept = (state.working_k, state.working_v, state.picked)
+            if shares:   # a reuse step hands the next layers zeros: they keep their own sets
+                onehot_shape = jax.eval_shape(fresh)[3]
+                kept += (jnp.zeros(onehot_shape.shape, onehot_shape.dtype),)
             k, v, picked, *onehot = jax.lax.cond(due, fresh, lambda: kept)
         if shares:
             carry = (onehot[0], picked)
