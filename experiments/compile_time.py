@@ -3,15 +3,18 @@ attention included, filling the KV cache) at given prompt lengths, with abstract
 checkpoint is loaded and nothing runs). Results: docs/models.md (Gemma at 32768 tokens),
 docs/results.md (compile once).
 
-    python -m experiments.compile_time [--model=gemma3-270m] [--lengths=8192,16384,32768]
+    mpcache compile-time [--model=gemma3-270m] [--lengths=8192,16384,32768]
 
 Prints one line per length: tracing + lowering seconds, then XLA's compile seconds.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
+
+from absl import flags
+
+from experiments import cli
 
 
 def compile_seconds(model_name: str, length: int) -> tuple[float, float]:
@@ -35,24 +38,28 @@ def compile_seconds(model_name: str, length: int) -> tuple[float, float]:
     return traced, time.perf_counter() - start - traced
 
 
+def _flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("model", "gemma3-270m", "a registered model", flag_values=fv)
+    flags.DEFINE_string("lengths", "8192,16384,32768", "comma-separated prompt lengths in tokens",
+                        flag_values=fv)
+    return fv
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.compile_time",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gemma3-270m")
-    parser.add_argument("--lengths", default="8192,16384,32768",
-                        help="comma-separated prompt lengths in tokens")
-    args = parser.parse_args(argv[1:])
+    args = _flags()
+    cli.parse(args, argv, __doc__)
     from models.catalog import MODEL_NAMES, get_config
     if args.model not in MODEL_NAMES:
-        parser.error(f"--model={args.model!r}: one of {', '.join(MODEL_NAMES)}")
+        cli.usage_error(f"--model={args.model!r}: one of {', '.join(MODEL_NAMES)}")
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:
-        parser.error(f"--lengths={args.lengths!r}: comma-separated integers")
+        cli.usage_error(f"--lengths={args.lengths!r}: comma-separated integers")
     context = get_config(args.model).max_position
     for length in lengths:
         if not 0 < length <= context:
-            parser.error(f"--lengths: {length} is outside 1..{context}, {args.model}'s context")
+            cli.usage_error(f"--lengths: {length} is outside 1..{context}, {args.model}'s context")
     for length in lengths:
         traced, compiled = compile_seconds(args.model, length)
         print(f"{args.model}, {length} tokens: trace + lower {traced:.1f} s, compile "

@@ -2,7 +2,7 @@
 of `full` and the default policy at long prompts, timed, with the peak device memory and the
 logits' largest difference from the same program on the CPU.
 
-    python -m experiments.device_check [--models=llama2-d1024,smollm2-135m,gemma3-270m]
+    mpcache device-check [--models=llama2-d1024,smollm2-135m,gemma3-270m]
         [--lengths=8192,32768] [--new_tokens=32] [--cpu_layers=2] [--host_loop]
         [--phases=time,compare] [--out=DIR]
 
@@ -20,11 +20,14 @@ loop. Uses no SPU: it runs on a current JAX (scripts/xla_env.sh).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
 import time
+
+from absl import flags
+
+from experiments import cli
 
 
 def random_params(model, seed: int):
@@ -140,23 +143,31 @@ def peak_bytes(device) -> int | None:
     return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
 
 
+def _flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("models", "llama2-d1024,smollm2-135m,gemma3-270m",
+                        "comma-separated registered models", flag_values=fv)
+    flags.DEFINE_string("lengths", "8192,32768", "comma-separated prompt lengths in tokens",
+                        flag_values=fv)
+    flags.DEFINE_string("policies", "full,mpcache", "comma-separated registered policies",
+                        flag_values=fv)
+    flags.DEFINE_float("budget", 0.1, "the policies' budget (share of the prompt)",
+                       flag_values=fv)
+    flags.DEFINE_integer("new_tokens", 32, "tokens decoded per row", flag_values=fv)
+    flags.DEFINE_integer("cpu_layers", 2, "layers of the model cut for the CPU comparison "
+                         "(0: none)", flag_values=fv)
+    flags.DEFINE_bool("host_loop", False, "also time the per-token host loop "
+                      "(Model.decode_step)", flag_values=fv)
+    flags.DEFINE_string("phases", "time,compare", "time: the timing rows; compare: the CPU "
+                        "comparisons", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "random weights' and prompts' seed", flag_values=fv)
+    flags.DEFINE_string("out", "results/device_check", "output folder", flag_values=fv)
+    return fv
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.device_check",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="llama2-d1024,smollm2-135m,gemma3-270m")
-    parser.add_argument("--lengths", default="8192,32768")
-    parser.add_argument("--policies", default="full,mpcache")
-    parser.add_argument("--budget", type=float, default=0.1)
-    parser.add_argument("--new_tokens", type=int, default=32)
-    parser.add_argument("--cpu_layers", type=int, default=2,
-                        help="layers of the model cut for the CPU comparison (0: none)")
-    parser.add_argument("--host_loop", action="store_true",
-                        help="also time the per-token host loop (Model.decode_step)")
-    parser.add_argument("--phases", default="time,compare",
-                        help="time: the timing rows; compare: the CPU comparisons")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/device_check")
-    args = parser.parse_args(argv[1:])
+    args = _flags()
+    cli.parse(args, argv, __doc__)
     import jax
     import numpy as np
     from models.catalog import MODEL_NAMES
@@ -164,19 +175,19 @@ def main(argv: list[str]) -> int:
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODEL_NAMES]
     if unknown:
-        parser.error(f"--models: unknown {unknown}; registered: {', '.join(MODEL_NAMES)}")
+        cli.usage_error(f"--models: unknown {unknown}; registered: {', '.join(MODEL_NAMES)}")
     policies = [p for p in args.policies.split(",") if p]
     if [p for p in policies if p not in POLICY_NAMES]:
-        parser.error(f"--policies: registered ones are {', '.join(POLICY_NAMES)}")
+        cli.usage_error(f"--policies: registered ones are {', '.join(POLICY_NAMES)}")
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:
-        parser.error(f"--lengths={args.lengths!r}: comma-separated integers")
+        cli.usage_error(f"--lengths={args.lengths!r}: comma-separated integers")
     phase_names = [p for p in args.phases.split(",") if p]
     if not phase_names or set(phase_names) - {"time", "compare"}:
-        parser.error(f"--phases={args.phases!r}: a comma-separated subset of time,compare")
+        cli.usage_error(f"--phases={args.phases!r}: a comma-separated subset of time,compare")
     if args.new_tokens < 2:
-        parser.error("--new_tokens must be >= 2")
+        cli.usage_error("--new_tokens must be >= 2")
     device = jax.devices()[0]
     cpu = jax.devices("cpu")[0]
     accelerated = device.platform != "cpu"

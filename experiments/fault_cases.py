@@ -1,7 +1,7 @@
 """Every bad-input and fault case of the multi-party side, run for real, as one markdown table.
 
-    python -m experiments.fault_cases --output_dir=results/fault_cases
-    python -m experiments.fault_cases --only=tls,launcher      # cases whose name contains these
+    mpcache fault-cases --output_dir=results/fault_cases
+    mpcache fault-cases --only=tls,launcher      # cases whose name contains these
 
 This file is the runner; the cases are data in experiments/faults/ (cases.py: the list,
 `all_cases()`; kinds.py: how each kind runs; forge.py: what a hostile peer sends; harness.py:
@@ -26,6 +26,10 @@ import json
 import pathlib
 import sys
 import time
+
+from absl import flags
+
+from experiments import cli
 
 from experiments.faults.cases import all_cases
 from experiments.faults.kinds import Context, Observed, short
@@ -56,12 +60,17 @@ def table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default="results/fault_cases")
-    parser.add_argument("--only", default="", help="comma-separated substrings of case names")
-    args = parser.parse_args(argv)
+def _flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("output_dir", "results/fault_cases", "records and fault_cases.md",
+                        flag_values=fv)
+    flags.DEFINE_string("only", "", "comma-separated substrings of case names", flag_values=fv)
+    return fv
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _flags()
+    cli.parse(args, sys.argv if argv is None else argv, __doc__)
     root = pathlib.Path(args.output_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     ctx = Context(root)
@@ -88,7 +97,7 @@ def main(argv=None) -> int:
     text = table(rows)
     passed = sum(obs.passed for _, obs in rows)
     summary = (f"{passed}/{len(rows)} cases pass ({time.perf_counter() - start:.0f} s; "
-               f"`python -m experiments.fault_cases --output_dir={args.output_dir}`)")
+               f"`mpcache fault-cases --output_dir={args.output_dir}`)")
     (root / "fault_cases.md").write_text(text + "\n\n" + summary + "\n")
     print()
     print(text)

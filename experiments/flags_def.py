@@ -1,4 +1,4 @@
-"""Flags of `python -m experiments.run` (one definition, shared by every experiment)."""
+"""Flags of `mpcache run` (one definition, shared by every experiment)."""
 from absl import flags
 
 EXPERIMENTS = ("generate", "accuracy", "mpc_cost")

@@ -3,9 +3,9 @@
 invocation; prints the ratio of wall per decode step (results: docs/results.md "The front
 door").
 
-    python -m experiments.front_cost OUTPUT_DIR [--against=REV] [--pairs=N] [--shape=SHAPE]
+    mpcache front-cost OUTPUT_DIR [--against=REV] [--pairs=N] [--shape=SHAPE]
                                      [--job=JSON] [--floor] [--front_py]
-    python -m experiments.front_cost OUTPUT_DIR --relay [--floor]   # per round trip, no parties
+    mpcache front-cost OUTPUT_DIR --relay [--floor]   # per round trip, no parties
 
 --against: a git revision without the fronts (default: the commit before them), or an earlier
 one with them (its front in C, if it has one, is built from its own source for its runs); it
@@ -31,7 +31,6 @@ medians.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -39,6 +38,10 @@ import statistics
 import subprocess
 import sys
 import time
+
+from absl import flags
+
+from experiments import cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The last commit before the fronts (the next one, 3b9b205, adds runtime/distributed/front.py).
@@ -234,39 +237,40 @@ def relay_cost(out: pathlib.Path, value_bytes: int, rounds: int, relay: str = "f
 RELAY_SIZES = ((200, 5000), (60_000, 2000), (1 << 20, 500))
 
 
+def _flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("against", BEFORE_FRONTS, "git revision without the fronts, or 'none' "
+                        "for one run", flag_values=fv)
+    flags.DEFINE_integer("pairs", 5, "runs per arm", flag_values=fv)
+    flags.DEFINE_string("shape", None, "link.shape: lan, wan or a JSON object", flag_values=fv)
+    flags.DEFINE_string("job", "{}", "JSON overrides of the job", flag_values=fv)
+    flags.DEFINE_bool("floor", False, "a third run per pair: every front replaced by a relay "
+                      "with no checks (experiments/bare_relay.c, built here with cc), the cost "
+                      "of the relay hop alone", flag_values=fv)
+    flags.DEFINE_bool("front_py", False, "one more run per pair: every front front.py "
+                      "(MPCACHE_FAST_FRONT=off), where the default is the front in C when it "
+                      "is built", flag_values=fv)
+    flags.DEFINE_bool("relay", False, "instead (no parties): one front's CPU and wall per "
+                      "relayed request + reply at three frame sizes, front.py's and the front "
+                      "in C's; with --floor the bare relay's too", flag_values=fv)
+    return fv
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.front_cost",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("output_dir", type=pathlib.Path)
-    parser.add_argument("--against", default=BEFORE_FRONTS,
-                        help="git revision without the fronts, or 'none' for one run")
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--shape", default=None, help="link.shape: lan, wan or a JSON object")
-    parser.add_argument("--job", default="{}", help="JSON overrides of the job")
-    parser.add_argument("--floor", action="store_true",
-                        help="a third run per pair: every front replaced by a relay with no "
-                             "checks (experiments/bare_relay.c, built here with cc), the cost "
-                             "of the relay hop alone")
-    parser.add_argument("--front_py", action="store_true",
-                        help="one more run per pair: every front front.py (MPCACHE_FAST_FRONT="
-                             "off), where the default is the front in C when it is built")
-    parser.add_argument("--relay", action="store_true",
-                        help="instead (no parties): one front's CPU and wall per relayed "
-                             "request + reply at three frame sizes, front.py's and the front "
-                             "in C's; with --floor the bare relay's too")
-    args = parser.parse_args(argv[1:])
+    args = _flags()
+    (output_dir,) = cli.parse(args, argv, __doc__, positional=("OUTPUT_DIR",))
     if args.pairs < 1:
-        parser.error("--pairs must be >= 1")
+        cli.usage_error("--pairs must be >= 1")
     shape = json.loads(args.shape) if args.shape and args.shape[:1] == "{" else args.shape
     try:
         overrides = json.loads(args.job)
     except json.JSONDecodeError as err:
-        parser.error(f"--job is not valid JSON ({err})")
+        cli.usage_error(f"--job is not valid JSON ({err})")
     from experiments.faults import harness
     job = dict(harness.TINY_JOB, policy="full", policy_options={}, budget=None, max_new_tokens=8,
                seq_len=32)
     job.update(overrides)
-    out = args.output_dir.resolve()     # the runs start in each checkout's folder
+    out = pathlib.Path(output_dir).resolve()     # the runs start in each checkout's folder
     out.mkdir(parents=True, exist_ok=True)
     if args.relay:
         from experiments.faults.forge import build_fast_front

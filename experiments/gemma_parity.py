@@ -1,6 +1,6 @@
 """Gemma 3 270M against transformers' Gemma3ForCausalLM: logits and greedy tokens.
 
-    python -m experiments.gemma_parity --lengths=16,512,4096 --new_tokens=32 [--reference=gguf]
+    mpcache gemma-parity --lengths=16,512,4096 --new_tokens=32 [--reference=gguf]
 
 For each prompt length T (natural prose from experiments/data/prose, after BOS): our prefill
 logits at every prompt position for T <= 512, at the last one beyond ([T, 262144] floats take
@@ -15,7 +15,6 @@ Results and the command that made them: docs/models.md.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -24,6 +23,9 @@ import sys
 import time
 
 import numpy as np
+from absl import flags
+
+from experiments import cli
 
 PROSE = pathlib.Path(__file__).resolve().parent / "data" / "prose"
 ALL_POSITIONS_UP_TO = 512   # longer prompts: the last position's prefill logits only
@@ -153,15 +155,23 @@ def compare(model, params, reference, prompt: list[int], new_tokens: int,
     }
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.gemma_parity",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="16,512,4096")
-    parser.add_argument("--new_tokens", type=int, default=32)
-    parser.add_argument("--reference", choices=("params", "gguf"), default="params")
-    parser.add_argument("--cache_dir", default=None)
-    parser.add_argument("--tolerance", type=float, default=1e-3)
-    args = parser.parse_args(argv)
+def _flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("lengths", "16,512,4096", "comma-separated prompt lengths in tokens",
+                        flag_values=fv)
+    flags.DEFINE_integer("new_tokens", 32, "greedy tokens compared per length", flag_values=fv)
+    flags.DEFINE_enum("reference", "params", ["params", "gguf"], "the reference's weights: our "
+                      "params or the GGUF file", flag_values=fv)
+    flags.DEFINE_string("cache_dir", None, "the model cache (default: the project's)",
+                        flag_values=fv)
+    flags.DEFINE_float("tolerance", 1e-3, "largest relative logits error that passes",
+                       flag_values=fv)
+    return fv
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _flags()
+    cli.parse(args, sys.argv if argv is None else argv, __doc__)
     missing = [name for name in ("torch", "transformers")
                if importlib.util.find_spec(name) is None]
     if missing:

@@ -1,6 +1,6 @@
 """Cross-check of our prompt-eviction baselines against NVIDIA kvpress (a benchmark, not a test).
 
-    bash scripts/kvpress_env.sh && .venv/bin/python -m experiments.kvpress_crosscheck --output_dir=results/kvpress_crosscheck
+    bash scripts/kvpress_env.sh && .venv/bin/mpcache kvpress-crosscheck --output_dir=results/kvpress_crosscheck
 
 Options: --prompts=FILE.jsonl ({"id", "prompt_ids": [...]} per line; default: 3 kv_retrieval +
 3 needle prompts of --length=1000 tokens, seed 0), --budgets=0.1,0.2 (fraction of the prompt

@@ -208,7 +208,7 @@ def write_summary(out: pathlib.Path, records: list[dict], max_new_tokens: int) -
     text = [
         "# Our baselines vs NVIDIA kvpress 0.5.5 (SmolLM2-135M-Instruct, same GGUF)",
         "",
-        "`bash scripts/kvpress_env.sh && .venv/bin/python -m experiments.kvpress_crosscheck "
+        "`bash scripts/kvpress_env.sh && .venv/bin/mpcache kvpress-crosscheck "
         f"--output_dir={out}`  (commit {git_commit()})",
         "",
         f"{len(prompts)} prompts ({', '.join(p for p, _ in prompts)}; "

@@ -24,7 +24,11 @@ import json
 import pathlib
 import random
 import re
+import sys
 
+from absl import flags
+
+from experiments import cli
 from experiments.tasks import DATA_DIR, PromptBuilder, Sample
 
 PROSE_DIR = DATA_DIR / "prose"
@@ -251,19 +255,23 @@ def longbench_records(num_samples: int, seed: int, min_words: int = 300,
     return records
 
 
-def main(argv=None) -> None:
-    import argparse
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.natural_tasks",
-        description="Write a LongBench-format JSONL of mixed-length natural-prose samples.")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--num_samples", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--min_words", type=int, default=300)
-    parser.add_argument("--max_words", type=int, default=1400)
-    args = parser.parse_args(argv)
+def _flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("out", None, "the JSONL file to write", flag_values=fv)
+    flags.DEFINE_integer("num_samples", 30, "samples written", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "the samples' seed", flag_values=fv)
+    flags.DEFINE_integer("min_words", 300, "shortest prose of a sample, in words", flag_values=fv)
+    flags.DEFINE_integer("max_words", 1400, "longest prose of a sample, in words", flag_values=fv)
+    flags.mark_flag_as_required("out", flag_values=fv)
+    return fv
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write a LongBench-format JSONL of mixed-length natural-prose samples."""
+    args = _flags()
+    cli.parse(args, sys.argv if argv is None else argv, main.__doc__)
     if args.num_samples < 1 or not 0 < args.min_words <= args.max_words:
-        raise SystemExit("--num_samples >= 1 and 0 < --min_words <= --max_words are needed")
+        cli.usage_error("--num_samples >= 1 and 0 < --min_words <= --max_words are needed")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     records = longbench_records(args.num_samples, args.seed, args.min_words, args.max_words)

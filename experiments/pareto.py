@@ -8,17 +8,20 @@ budget, and writes the table (CSV + markdown) and docs/figures/pareto.png: one p
 sequence length, communication against greedy agreement with `full`, the Pareto front
 (no other policy both cheaper and more faithful) drawn through it.
 
-    python -m experiments.pareto --fidelity_dir=results/fidelity_d,results/fidelity_pareto \
+    mpcache pareto --fidelity_dir=results/fidelity_d,results/fidelity_pareto \
         --cost_dir=results/mpc_pareto --budget=0.1 --output_dir=results/pareto \
         --figure=docs/figures/pareto.png
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import pathlib
 import sys
+
+from absl import flags
+
+from experiments import cli
 
 
 def read_fidelity(path: pathlib.Path, budget: float,
@@ -149,20 +152,28 @@ def plot(rows: list[dict], path: pathlib.Path, budget: float) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--fidelity_dir", required=True,
-                    help="accuracy runs' output directories, comma-separated (same tasks and "
-                         "seed; a policy is taken from the first run that has it)")
-    ap.add_argument("--cost_dir", required=True, help="a decode-cost run's output directory")
-    ap.add_argument("--budget", type=float, default=0.1)
-    ap.add_argument("--tasks", default="multi_hop,multi_needle,qa",
-                    help="the tasks whose mean is a policy's fidelity (every policy needs all)")
-    ap.add_argument("--protocol", default="ABY3")
-    ap.add_argument("--seq_lens", default="1024,2048")
-    ap.add_argument("--output_dir", default="results/pareto")
-    ap.add_argument("--figure", default="docs/figures/pareto.png")
-    args = ap.parse_args(argv)
+def _flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("fidelity_dir", None, "accuracy runs' output directories, "
+                        "comma-separated (same tasks and seed; a policy is taken from the first "
+                        "run that has it)", flag_values=fv)
+    flags.DEFINE_string("cost_dir", None, "a decode-cost run's output directory", flag_values=fv)
+    flags.DEFINE_float("budget", 0.1, "the budget whose rows are joined", flag_values=fv)
+    flags.DEFINE_string("tasks", "multi_hop,multi_needle,qa", "the tasks whose mean is a "
+                        "policy's fidelity (every policy needs all)", flag_values=fv)
+    flags.DEFINE_string("protocol", "ABY3", "the cost run's protocol", flag_values=fv)
+    flags.DEFINE_string("seq_lens", "1024,2048", "comma-separated cache lengths of the cost run",
+                        flag_values=fv)
+    flags.DEFINE_string("output_dir", "results/pareto", "pareto.csv and pareto.md",
+                        flag_values=fv)
+    flags.DEFINE_string("figure", "docs/figures/pareto.png", "the figure", flag_values=fv)
+    flags.mark_flags_as_required(["fidelity_dir", "cost_dir"], flag_values=fv)
+    return fv
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _flags()
+    cli.parse(args, sys.argv if argv is None else argv, __doc__)
     fid_paths = [pathlib.Path(d) / "summary.csv" for d in args.fidelity_dir.split(",")]
     cost_path = pathlib.Path(args.cost_dir) / "results.jsonl"
     for p in fid_paths + [cost_path]:

@@ -1,4 +1,4 @@
-"""One party of a multi-host secure run: `python -m experiments.party --node_config=FILE --party=ID`.
+"""One party of a multi-host secure run: `mpcache party --node_config=FILE --party=ID`.
 
 The same command as `python -m runtime.distributed.party_main` (the runtime's entry point of a
 party, which the launcher and supervisor start), under the name the docs use.

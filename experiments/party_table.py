@@ -1,6 +1,6 @@
 """Medians and full/other ratios of multi-process decode steps (scripts/netns_3pc.sh runs).
 
-    python -m experiments.party_table results/tbf3c     # every results.jsonl under the folder
+    mpcache party-table results/tbf3c     # every results.jsonl under the folder
 
 Groups the decode-step records of every run under the folder by (node config, prompt length,
 policy) -- repeated runs of one configuration pool their steps -- and prints one markdown
@@ -21,6 +21,10 @@ import pathlib
 import statistics
 import sys
 from collections import defaultdict
+
+from absl import flags
+
+from experiments import cli
 
 COLUMNS = ("node_config", "link", "prompt_tokens", "policy", "steps", "wall_s",
            "max_party_cpu_s", "comm_mb", "messages", "lan_network_s", "lan_network_plus_cpu_s",
@@ -130,10 +134,10 @@ def format_tables(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or not pathlib.Path(argv[1]).is_dir():
-        print(__doc__.strip().splitlines()[2], file=sys.stderr)
-        return 2
-    folder = pathlib.Path(argv[1])
+    (name,) = cli.parse(flags.FlagValues(), argv, __doc__, positional=("FOLDER",))
+    folder = pathlib.Path(name)
+    if not folder.is_dir():
+        cli.usage_error(f"{folder} is not a folder (the output folder of the runs)")
     rows = summarize(decode_steps(folder), simulated_steps(folder))
     if not rows:
         print(f"no decode-step records under {folder}", file=sys.stderr)

@@ -1,16 +1,18 @@
 """Calibrate PrefixKV's per-layer Lorenz curves on sample prompts and save them as JSON for
 make_policy('prefixkv', calibration=PATH):
 
-    python -m experiments.prefixkv_calibrate --model=smollm2-135m --out=results/prefixkv/smollm2-135m.json
+    mpcache prefixkv-calibrate --model=smollm2-135m --out=results/prefixkv/smollm2-135m.json
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
+import sys
 
 import numpy as np
+from absl import flags
 
+from experiments import cli
 from mpcache_jax import primitives as P
 from mpcache_jax.policies.prefixkv import PrefixKV, calibrate
 from models import registry
@@ -29,23 +31,28 @@ def _sample_prompts(loaded, count: int, length: int, seed: int) -> list[list[int
     return [ids[s:s + length] for s in starts]
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.prefixkv_calibrate",
-        description="Calibrate PrefixKV's per-layer Lorenz curves on sample prompts (windows of "
-                    "experiments/data/haystack.txt; random ids for models without a tokenizer) "
-                    "and save them as JSON for make_policy('prefixkv', calibration=PATH).")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--num_prompts", type=int, default=4)
-    parser.add_argument("--length", type=int, default=1024, help="tokens per sample prompt")
-    parser.add_argument("--grid", type=int, default=100, help="curve points per layer - 1")
-    parser.add_argument("--budget", type=float, default=0.1,
-                        help="only for the printed per-layer counts (ratio of --length)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def _flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("model", "smollm2-135m", "a registered model", flag_values=fv)
+    flags.DEFINE_string("out", None, "JSON file to write", flag_values=fv)
+    flags.DEFINE_integer("num_prompts", 4, "sample prompts", flag_values=fv)
+    flags.DEFINE_integer("length", 1024, "tokens per sample prompt", flag_values=fv)
+    flags.DEFINE_integer("grid", 100, "curve points per layer - 1", flag_values=fv)
+    flags.DEFINE_float("budget", 0.1, "only for the printed per-layer counts (ratio of "
+                       "--length)", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "random weights' and prompts' seed", flag_values=fv)
+    flags.mark_flag_as_required("out", flag_values=fv)
+    return fv
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Calibrate PrefixKV's per-layer Lorenz curves on sample prompts (windows of
+    experiments/data/haystack.txt; random ids for models without a tokenizer) and save them as
+    JSON for make_policy('prefixkv', calibration=PATH)."""
+    args = _flags()
+    cli.parse(args, sys.argv if argv is None else argv, main.__doc__)
     if args.num_prompts < 1 or args.length < 2 or args.grid < 2:
-        raise SystemExit("--num_prompts >= 1, --length >= 2 and --grid >= 2 are needed")
+        cli.usage_error("--num_prompts >= 1, --length >= 2 and --grid >= 2 are needed")
     loaded = registry.load(args.model, seed=args.seed)
     prompts = _sample_prompts(loaded, args.num_prompts, args.length, args.seed)
     result = calibrate(loaded.model, loaded.params, prompts, args.grid)

@@ -1,4 +1,6 @@
-"""Entry point: `python -m experiments.run --flagfile=experiments/flags/NAME.flags [--flag=value ...]`."""
+"""An experiment from flags: `mpcache run --flagfile=experiments/flags/NAME.flags [--flag=value ...]`
+(the same as `python -m experiments.run ...`). --experiment picks generate, accuracy or mpc_cost
+(`mpcache generate|accuracy|cost` set it); --backend=spu_nodes runs a node config's job."""
 from __future__ import annotations
 
 import sys

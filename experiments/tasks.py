@@ -231,7 +231,7 @@ LONGBENCH_METRICS = {
     "qmsum": "rouge_l", "multi_news": "rouge_l", "samsum": "rouge_l", "trec": "contains",
     "passage_retrieval_en": "contains", "passage_count": "exact", "lcc": "rouge_l",
     "repobench-p": "rouge_l",
-    # the fidelity suite's mixed-length export (python -m experiments.natural_tasks)
+    # the fidelity suite's mixed-length export (mpcache natural-tasks)
     "multi_needle": "contains", "qa": "qa_f1",
 }
 

@@ -5,18 +5,20 @@ SentencePiece scores of the GGUF's tokenizer. An LM head restricted to a public 
 its argmax's comparisons in proportion to N under MPC; it keeps the greedy token only when
 that token is in the subset.
 
-    python -m experiments.vocab_coverage --model=gemma3-270m --sizes=8192,16384,32768,65536
+    mpcache vocab-coverage --model=gemma3-270m --sizes=8192,16384,32768,65536
 
 Results: docs/models.md (Under MPC).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
+import sys
 
 import numpy as np
+from absl import flags
 from tqdm import tqdm
 
+from experiments import cli
 from experiments.gemma_parity import PROSE
 from models import registry
 
@@ -47,23 +49,27 @@ def greedy_ids(loaded, tokens: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m experiments.vocab_coverage",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gemma3-270m")
-    parser.add_argument("--sizes", default="8192,16384,32768,65536",
-                        help="subset sizes N, comma-separated")
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per prose file")
-    args = parser.parse_args(argv)
+def _flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("model", "gemma3-270m", "a registered model", flag_values=fv)
+    flags.DEFINE_string("sizes", "8192,16384,32768,65536", "subset sizes N, comma-separated",
+                        flag_values=fv)
+    flags.DEFINE_integer("tokens", 512, "tokens per prose file", flag_values=fv)
+    return fv
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _flags()
+    cli.parse(args, sys.argv if argv is None else argv, __doc__)
     try:
         sizes = [int(n) for n in args.sizes.split(",")]
     except ValueError:
-        parser.error(f"--sizes={args.sizes} must be integers, e.g. --sizes=16384,32768")
+        cli.usage_error(f"--sizes={args.sizes} must be integers, e.g. --sizes=16384,32768")
     if args.tokens < 2 or any(n < 1 for n in sizes):
-        parser.error("--tokens >= 2 and every --sizes entry >= 1 are needed")
+        cli.usage_error("--tokens >= 2 and every --sizes entry >= 1 are needed")
     loaded = registry.load(args.model)
     if loaded.tokenizer is None:
-        parser.error(f"--model={args.model} has no tokenizer (random weights)")
+        cli.usage_error(f"--model={args.model} has no tokenizer (random weights)")
     greedy = greedy_ids(loaded, args.tokens)
     ranks = score_ranks(args.model)
     print(f"{args.model}: {len(greedy)} teacher-forced positions, vocabulary "

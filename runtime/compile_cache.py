@@ -4,7 +4,7 @@ A program compiled once (a prefill of one prompt shape, a policy's decode loop) 
 `<project cache>/xla/` and read back by later processes instead of compiled again: a second
 run of the same shapes compiles nothing. The project cache is --cache_dir, else
 $MPCACHE_CACHE_DIR, else ~/.cache/mpcache_jax (where the models' checkpoints live too).
-`python -m experiments.run` turns it on unless --nocompile_cache; the library itself never
+`mpcache run` turns it on unless --nocompile_cache; the library itself never
 does (a caller decides where compiled programs go).
 """
 from __future__ import annotations

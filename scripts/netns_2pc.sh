@@ -25,8 +25,8 @@ raw["nodes"] = {"node:0": "10.66.0.1:61330", "node:1": "10.66.0.2:61331"}
 raw["job"].update({"policy": "full", "seq_len": 128, "max_new_tokens": 2})
 json.dump(raw, open(sys.argv[1] + "/node_config.json", "w"), indent=1)
 PY
-ip netns exec h6a .venv/bin/python -m experiments.party --node_config=$OUT/node_config.json --party=node:0 --output_dir=$OUT > $OUT/party_node_0.log 2>&1 &
+ip netns exec h6a .venv/bin/mpcache party --node_config=$OUT/node_config.json --party=node:0 --output_dir=$OUT > $OUT/party_node_0.log 2>&1 &
 A=$!
-ip netns exec h6b .venv/bin/python -m experiments.party --node_config=$OUT/node_config.json --party=node:1 --output_dir=$OUT > $OUT/party_node_1.log 2>&1 &
+ip netns exec h6b .venv/bin/mpcache party --node_config=$OUT/node_config.json --party=node:1 --output_dir=$OUT > $OUT/party_node_1.log 2>&1 &
 B=$!
 wait $A; echo "node:0 exit $?"; wait $B; echo "node:1 exit $?"

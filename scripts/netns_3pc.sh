@@ -58,7 +58,7 @@ json.dump(raw, open(f"{out}/node_config.json", "w"), indent=1)
 PY
 pids=()
 for i in 0 1 2; do
-  ip netns exec ${NS[$i]} .venv/bin/python -m experiments.party \
+  ip netns exec ${NS[$i]} .venv/bin/mpcache party \
     --node_config="$OUT/node_config.json" --party=node:$i --output_dir="$OUT" \
     > "$OUT/party_node_$i.log" 2>&1 &
   pids+=($!)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set everything up, then run the main job on the embedded default: a private answer from
 # SmolLM2-135M-Instruct with the default MPCache under 3PC ABY3 (SPU's simulator):
-#   python -m experiments.run --flagfile=experiments/flags/private_chat.flags
+#   mpcache run --flagfile=experiments/flags/private_chat.flags
 # Plaintext chat instead: bash scripts/quickstart.sh --backend=xla
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m experiments.run --flagfile=experiments/flags/private_chat.flags \
+exec .venv/bin/mpcache run --flagfile=experiments/flags/private_chat.flags \
   --output_dir=results/quickstart "$@"

@@ -29,6 +29,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
   echo "$want" > "$stamp"
 fi
+# The `mpcache` command (experiments/cli.py): the project installed in place, without its
+# dependencies (installed above); pip builds it with setuptools from the package registry.
+if [ ! -x .venv/bin/mpcache ]; then
+  echo "setup: installing the mpcache command into .venv (pip install --no-deps -e .)"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+fi
 
 # The parties' front door in C for plain-TCP runs (needs cc and OpenSSL's headers; without them
 # every party runs the Python front: same checks, more CPU per frame).

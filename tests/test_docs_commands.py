@@ -1,11 +1,10 @@
-"""Every command line in the README and docs/ names what exists: its module or script, each
-flag it passes (defined by the module's absl flags or argparse arguments, read from the
-source), its flag file and that file's flags, JSON where a flag takes JSON, and registered
-policy and model names. Static: nothing is run, so a renamed flag or a deleted script is
-caught in a second instead of by a reader."""
+"""Every command line in the README and docs/ names what exists: its verb, module or script,
+each flag it passes (defined by the module's absl flags, read from the source), its flag file
+and that file's flags, JSON where a flag takes JSON, and registered policy and model names.
+Static: nothing is run, so a renamed flag or a deleted script is caught in a second instead of
+by a reader. tests/test_cli.py runs every verb's --help."""
 from __future__ import annotations
 
-import ast
 import json
 import pathlib
 import re
@@ -42,14 +41,16 @@ def _code_lines(text: str) -> list[str]:
 
 
 def _commands():
-    """(doc, command words) for every `python -m ...` and `bash scripts/...` line."""
+    """(doc, command words) for every `mpcache VERB ...`, `python -m ...` and
+    `bash scripts/...` line."""
     found = []
     for doc in DOCS:
         for line in _code_lines(doc.read_text()):
             line = line.split(" # ")[0].split(" > ")[0].split(" | ")[0].lstrip("$ ")
             for part in re.split(r";|&&|\bdo\b|\bthen\b", line):
                 part = part.strip()
-                match = re.search(r"(?:^|\s)(python -m \S+|bash scripts/\S+)(.*)$", part)
+                match = re.search(r"(?:^|\s)((?:\S*/)?mpcache [a-z-]+|python -m \S+|"
+                                  r"bash scripts/\S+)(.*)$", part)
                 if match:
                     try:
                         words = shlex.split(match.group(1) + match.group(2))
@@ -62,23 +63,27 @@ def _commands():
 def _absl_flags() -> set[str]:
     names = set(ABSL_BUILTIN)
     for path in [*(ROOT / "experiments").glob("*.py"), *(ROOT / "runtime").rglob("*.py")]:
+        if "cli.parse(" in path.read_text():
+            continue                             # a verb with flags of its own
         names |= set(re.findall(r"flags\.DEFINE_\w+\(\s*\"(\w+)\"", path.read_text()))
     return names
 
 
-def _argparse_flags(path: pathlib.Path) -> set[str]:
-    """Options a module's argparse parser accepts (its --name strings; --no-name too for a
-    BooleanOptionalAction)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
-            for arg in node.args:
-                if isinstance(arg, ast.Constant) and str(arg.value).startswith("--"):
-                    names.add(str(arg.value)[2:])
-                    if any(isinstance(k.value, ast.Attribute) and
-                           k.value.attr == "BooleanOptionalAction" for k in node.keywords):
-                        names.add("no-" + str(arg.value)[2:])
-    return names
+def _own_flags(source: str) -> set[str]:
+    """The flags of a module that parses its own FlagValues (experiments/cli.py `parse`)."""
+    return ABSL_BUILTIN | set(re.findall(r"flags\.DEFINE_\w+\(\s*\"(\w+)\"", source))
+
+
+def _module_and_flags(words: list[str]) -> tuple[str, list[str]]:
+    """(module, flag words) of `mpcache VERB ...` or `python -m MODULE ...`."""
+    from experiments.cli import VERBS
+
+    if words[0].endswith("mpcache"):
+        verb = VERBS.get(words[1])
+        assert verb is not None, f"no verb {words[1]!r} (mpcache --help lists them)"
+        extra = [f"--experiment={verb.experiment}"] if verb.experiment else []
+        return verb.module, words[2:] + extra
+    return words[2], words[3:]
 
 
 def _flags_of(words: list[str]) -> list[tuple[str, str | None]]:
@@ -95,7 +100,7 @@ ABSL_FLAGS = _absl_flags()
 
 
 def test_the_docs_hold_commands_to_check():
-    modules = {w[2] for _, w in COMMANDS if w[0] == "python"}
+    modules = {_module_and_flags(w)[0] for _, w in COMMANDS if w[0] != "bash"}
     assert len(COMMANDS) > 100 and "experiments.run" in modules and len(modules) >= 10
 
 
@@ -108,15 +113,15 @@ def test_command_names_what_exists(doc, words):
     if words[0] == "bash":
         assert (ROOT / words[1]).is_file(), f"{doc}: {words[1]} does not exist"
         return
-    module = words[2]
+    module, flag_words = _module_and_flags(words)
     if module == "pytest":
         return
     path = ROOT / (module.replace(".", "/") + ".py")
     assert path.is_file(), f"{doc}: no module {module}"
     source = path.read_text()
-    absl = "absl" in source and "app.run" in source
-    known = ABSL_FLAGS if absl else _argparse_flags(path)
-    flags = _flags_of(words[3:])
+    absl = "app.run" in source           # the process-wide FLAGS (every other verb: its own)
+    known = ABSL_FLAGS if absl else _own_flags(source)
+    flags = _flags_of(flag_words)
     variants = {}
     for name, value in list(flags):
         if name == "flagfile" and not PLACEHOLDER.search(pathlib.Path(value).stem):
@@ -126,10 +131,8 @@ def test_command_names_what_exists(doc, words):
             flags += _flags_of([line for line in lines if line.startswith("--")])
         if name == "variants" and value:          # (empty: no variants)
             variants = json.loads(value)
-    if not absl and "sys.argv" in source and not known:
-        return                                     # positional arguments only
     for name, value in flags:
-        bare = name[2:] if absl and name.startswith("no") and name[2:] in known else name
+        bare = name[2:] if name.startswith("no") and name[2:] in known else name
         assert bare in known, f"{doc}: {module} has no flag --{name} ({' '.join(words)[:120]})"
         if not value or PLACEHOLDER.search(value):
             continue
@@ -139,5 +142,5 @@ def test_command_names_what_exists(doc, words):
             for policy in value.split(","):
                 assert policy in POLICIES or policy in variants, \
                     f"{doc}: policy {policy!r} is not registered ({' '.join(words)[:120]})"
-        if name == "model" and absl and "/" not in value:
+        if name == "model" and "/" not in value:
             assert value in MODEL_NAMES, f"{doc}: model {value!r} is not registered"

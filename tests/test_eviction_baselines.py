@@ -230,8 +230,8 @@ def test_mpcache_prefixkv_uses_mpcache_forced_tokens_with_per_layer_counts():
 
 def test_prefixkv_calibration_cli_round_trip(tmp_path):
     out = tmp_path / "curves.json"
-    prefixkv_main(["--model", "llama-tiny", "--out", str(out), "--num_prompts", "2",
-                   "--length", "48", "--grid", "20"])
+    prefixkv_main(["prefixkv_calibrate", "--model", "llama-tiny", "--out", str(out),
+                   "--num_prompts", "2", "--length", "48", "--grid", "20"])
     data = json.loads(out.read_text())
     assert data["num_layers"] == 4 and len(data["curves"][0]) == 21
     policy = make_policy("prefixkv", 0.25, calibration=str(out))

@@ -129,7 +129,7 @@ def test_continuation_and_longbench_export(tokenizer, tmp_path):
     assert [len(s.prompt_ids) for s in samples] == [300, 300]
     assert all(len(s.target_ids) == 16 for s in samples)
     path = tmp_path / "mixed.jsonl"
-    natural_tasks.main(["--out", str(path), "--num_samples", "6"])
+    natural_tasks.main(["natural_tasks", "--out", str(path), "--num_samples", "6"])
     rows = list(tasks.longbench_jsonl(tokenizer, data_path=str(path), num_samples=6,
                                       max_length=4096, metric=None))
     assert len({len(r.prompt_ids) for r in rows}) > 3          # mixed lengths

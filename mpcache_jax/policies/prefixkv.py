@@ -10,7 +10,7 @@ window the method keeps while decoding, which are always kept). Per-layer counts
 prompts (`calibrate`; the CLI is experiments/prefixkv_calibrate.py), saved as JSON and applied through `calibration=PATH`.
 Without a calibration every layer keeps B tokens (same selection rule).
 
-    python -m experiments.prefixkv_calibrate --model=smollm2-135m --out=results/prefixkv/smollm2-135m.json
+    mpcache prefixkv-calibrate --model=smollm2-135m --out=results/prefixkv/smollm2-135m.json
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def load_curves(path: str) -> tuple[tuple[float, ...], ...]:
     data = json.loads(pathlib.Path(path).read_text())
     if data.get("format") != CALIBRATION_FORMAT:
         raise ValueError(f"{path} is not a PrefixKV calibration ({CALIBRATION_FORMAT}); make one "
-                         "with `python -m experiments.prefixkv_calibrate --out=PATH`")
+                         "with `mpcache prefixkv-calibrate --out=PATH`")
     return tuple(tuple(float(x) for x in curve) for curve in data["curves"])
 
 
