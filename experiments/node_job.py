@@ -74,7 +74,7 @@ def name_flags(message: str, names: dict) -> str:
 
 
 def _budget(text: str):
-    from experiments.accuracy import parse_budget
+    from experiments.options import parse_budget
     return parse_budget(text)
 
 
@@ -103,7 +103,7 @@ def plan_jobs(FLAGS) -> Plan:
     budgets = [_budget(b) for b in FLAGS.budgets] if "budget" in names else [None]
     seq_lens = [None]
     if "seq_len" in names:
-        from experiments.accuracy import parse_numbers
+        from experiments.options import parse_numbers
         seq_lens = parse_numbers("seq_lens", FLAGS.seq_lens, int)
     if generate:
         if len(policies) != 1:

@@ -14,9 +14,6 @@ import re
 from typing import Iterable, Iterator
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
-TASKS = ("passkey", "needle", "kv_retrieval", "ppl", "longbench_jsonl",
-         # the fidelity suite (natural prose, experiments/natural_tasks.py)
-         "multi_needle", "multi_hop", "qa", "continuation")
 
 PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
                   "There and back again.")

@@ -102,10 +102,8 @@ def test_lengths_leave_room_for_new_tokens_and_beyond_the_context_are_refused():
 
 
 def _flags(**overrides):
-    from types import SimpleNamespace
-    defaults = dict(buckets=["512", "1024", "4096", "8192"], max_new_tokens=24, agree_tokens=16,
-                    mechanism=False)
-    return SimpleNamespace(**{**defaults, **overrides})
+    from experiments.accuracy import AccuracyConfig
+    return AccuracyConfig(**{"buckets": (512, 1024, 4096, 8192), **overrides})
 
 
 def test_a_bucket_never_leaves_less_room_than_the_new_tokens():
@@ -116,7 +114,7 @@ def test_a_bucket_never_leaves_less_room_than_the_new_tokens():
     assert sample_bucket(sample, _flags(), 16384) == (4097, 8192)
     ppl = Sample("continuation", "1", [1] * 600, [], "ppl", target_ids=[2] * 64)
     assert sample_bucket(ppl, _flags(), 1000) == (513, 936)
-    assert sample_bucket(sample, _flags(buckets=[]), 8192) is None
+    assert sample_bucket(sample, _flags(buckets=()), 8192) is None
 
 
 def test_a_sample_that_does_not_fit_is_skipped_and_counted(llama):

@@ -184,17 +184,15 @@ def test_every_shipped_flagfile_uses_only_flags_its_experiment_reads():
 def test_every_shipped_flagfile_names_registered_policies_that_construct():
     """A flag file naming a policy (or a --variants option) the registry no longer has fails
     here, not an hour into a run."""
-    import types
-    from experiments.accuracy import parse_budget, parse_variants
+    from experiments.options import parse_budget, parse_variants
     from mpcache_jax.policies import make_policy
     checked = 0
     for path, given in _shipped_flagfiles():
         if not given.get("policies"):
             continue
-        flags = types.SimpleNamespace(policies=given["policies"].split(","),
-                                      variants=given.get("variants") or None)
         budgets = [parse_budget(b) for b in given.get("budgets", "0.1").split(",")]
-        for label, name, options in parse_variants(flags):
+        for label, name, options in parse_variants(given["policies"].split(","),
+                                                   given.get("variants") or None):
             if "calibration" in options:   # a file the flag file's comment says how to make
                 options = {**options, "calibration": None}
             for budget in budgets:
@@ -215,10 +213,9 @@ def test_every_shipped_flagfile_names_registered_policies_that_construct():
     ('{"x": {"refresh_every": 2}}', "needs a 'policy' field"),
 ])
 def test_a_bad_variants_entry_is_a_one_line_error(variants, message):
-    import types
-    from experiments.accuracy import parse_variants
+    from experiments.options import parse_variants
     with pytest.raises(SystemExit, match=message):
-        parse_variants(types.SimpleNamespace(policies=["full"], variants=variants))
+        parse_variants(["full"], variants)
 
 
 @pytest.mark.parametrize("text,message", [
@@ -254,7 +251,7 @@ def test_output_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
 
 
 def test_resume_refuses_records_made_with_other_settings(tmp_path):
-    from experiments.accuracy import load_finished
+    from experiments.accuracy_store import load_finished
     from experiments.common import config_hash
     then = {"seed": 0, "max_new_tokens": 24, "model": "smollm2-135m"}
     records = [{"task": "qa", "sample_id": f"qa-{i}", "policy": "full", "budget": 1.0,

@@ -98,7 +98,7 @@ class CostConfig:
 
     @classmethod
     def from_flags(cls, FLAGS) -> "CostConfig":
-        from experiments.accuracy import parse_budget, parse_variants
+        from experiments.options import parse_budget, parse_variants
         if FLAGS["budgets"].present and len(FLAGS.budgets) != 1:
             raise ValueError(f"--experiment=mpc_cost costs one budget; --budgets="
                              f"{','.join(FLAGS.budgets)}")
@@ -112,7 +112,8 @@ class CostConfig:
                              f"e.g. --layers=4,5,10,11") from None
         return cls(layers=layers, bench=FLAGS.mpc_bench,
                    protocols=protocols_of(FLAGS.backend, FLAGS.protocol, FLAGS.runtime_config),
-                   policies=tuple(parse_variants(FLAGS)), budget=parse_budget(FLAGS.budgets[0]),
+                   policies=tuple(parse_variants(FLAGS.policies, FLAGS.variants)),
+                   budget=parse_budget(FLAGS.budgets[0]),
                    share_from=FLAGS.mpc_share_from, repeats=FLAGS.mpc_repeats,
                    decode_steps=FLAGS.mpc_decode_steps, lm_head=FLAGS.mpc_lm_head,
                    seq_lens=tuple(int(t) for t in FLAGS.seq_lens),
