@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpcache_jax.policies import make_policy
-from mpcache_jax.policies.base import causal_attention_mass, window_attention_mass
+from mpcache_jax.policies.base import (GivenCounts, causal_attention_mass,
+                                       window_attention_mass)
 from mpcache_jax.policies.h2o import H2O
-from mpcache_jax.policies.pyramidkv import PyramidKV
+from mpcache_jax.policies.snapkv import SnapKV
 
 # --- kvpress's rules on our model (diagnostic variants, not registered policies) ------------
 
@@ -36,17 +37,16 @@ def static_length(extent) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class KvpressSnapKVRule(PyramidKV):
+class KvpressSnapKVRule(SnapKV):
     """kvpress's SnapKVPress / PyramidKVPress selection: window votes average-pooled (ours:
     max-pooled), the window kept, and the given kept count per layer (window included)."""
 
     name: str = "kvpress_snapkv_rule"
     counts: tuple[int, ...] = ()
 
-    def layer_counts(self, num_layers, prompt_len):
-        if len(self.counts) != num_layers:
-            raise ValueError(f"{len(self.counts)} layer counts for {num_layers} layers")
-        return self.counts
+    def __post_init__(self):
+        object.__setattr__(self, "layer_budget", GivenCounts(tuple(self.counts)))
+        super().__post_init__()
 
     def keep_scores(self, layer, q, k, extent, carry):
         prompt_len = static_length(extent)

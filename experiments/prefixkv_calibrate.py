@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result))
     policy = PrefixKV(budget=args.budget, calibration=str(out))
-    counts = policy.layer_counts(result["num_layers"], args.length)
+    counts = policy.kept_counts(result["num_layers"], args.length)
     print(f"wrote {out}; per-layer tokens kept at budget {args.budget} of {args.length}: "
           f"{list(counts)} (sum {sum(counts)}, target {result['num_layers'] * P.budget_tokens(args.budget, args.length)})")
 

@@ -7,7 +7,7 @@ import pytest
 
 from mpcache_jax.cache import LayerKV
 from mpcache_jax.policies import make_policy
-from mpcache_jax.policies.base import StreamingLLM
+from mpcache_jax.policies.base import GivenCounts, StreamingLLM
 from mpcache_jax.policies.h2o import H2O
 from mpcache_jax.policies.prefixkv import (MPCachePrefixKV, PrefixKV, lorenz_curve,
                                            search_retention)
@@ -188,7 +188,7 @@ def test_prefixkv_binary_search_hits_global_budget_within_one_percent(budget):
     T, L = 1400, 30
     curves = tuple(tuple(lorenz_curve(rng.gamma(0.05 + 0.1 * l, size=T), 100)) for l in range(L))
     policy = PrefixKV(budget=budget, curves=curves)
-    counts = policy.layer_counts(L, T)
+    counts = policy.kept_counts(L, T)
     target = L * int(np.ceil(budget * T))
     assert 0.99 * target <= sum(counts) <= target
     assert len(set(counts)) > 1                           # budgets really differ per layer
@@ -199,7 +199,7 @@ def test_prefixkv_applies_per_layer_counts_and_keeps_start_and_recent_tokens():
     T, d = 40, 4
     o = np.linspace(0, 1, 101)
     policy = PrefixKV(budget=10, curves=(tuple(np.minimum(1.0, o / 0.1)), tuple(o)))
-    counts = policy.layer_counts(2, T)
+    counts = policy.kept_counts(2, T)
     assert counts[0] < 10 < counts[1] and sum(counts) <= 20
     layers = tuple(dense_layer(rng.randn(1, T, d).astype(np.float32)) for _ in range(2))
     queries = tuple(jnp.asarray(rng.randn(2, T, d), jnp.float32) for _ in range(2))
@@ -218,7 +218,7 @@ def test_mpcache_prefixkv_uses_mpcache_forced_tokens_with_per_layer_counts():
     T, d = 200, 4
     o = np.linspace(0, 1, 101)
     policy = MPCachePrefixKV(budget=40, curves=(tuple(np.minimum(1.0, o / 0.1)), tuple(o)))
-    small, large = policy.layer_counts(2, T)
+    small, large = policy.kept_counts(2, T)
     assert small < 16 and large > 48 and small + large <= 80
     layers = tuple(dense_layer(rng.randn(1, T, d).astype(np.float32)) for _ in range(2))
     queries = tuple(jnp.asarray(rng.randn(2, T, d), jnp.float32) for _ in range(2))
@@ -236,16 +236,35 @@ def test_prefixkv_calibration_cli_round_trip(tmp_path):
     assert data["num_layers"] == 4 and len(data["curves"][0]) == 21
     policy = make_policy("prefixkv", 0.25, calibration=str(out))
     assert len(policy.curves) == 4 and all(np.all(np.diff(c) >= 0) for c in policy.curves)
-    assert sum(policy.layer_counts(4, 48)) <= 4 * 12
+    assert sum(policy.kept_counts(4, 48)) <= 4 * 12
     with pytest.raises(ValueError, match="layers"):
-        policy.layer_counts(3, 48)
+        policy.kept_counts(3, 48)
+
+
+def test_a_layer_budget_wraps_the_scoring_of_any_prompt_eviction_policy():
+    """StreamingLLM's own rule (4 sinks, then the most recent tokens) under per-layer counts
+    it was never written for: each layer keeps its own count by that rule. A family whose
+    decode steps assume one budget in every layer refuses a layer budget."""
+    T = 30
+    policy = StreamingLLM(budget=8, layer_budget=GivenCounts((6, 10)))
+    assert policy.kept_counts(2, T) == (6, 10)
+    layers = tuple(dense_layer(np.zeros((1, T, 4), np.float32)) for _ in range(2))
+    cache = policy.compress(layers, PrefillAux(None, T), 4)
+    assert kept_positions(cache[0]) == {0, 1, 2, 3, 28, 29}
+    assert kept_positions(cache[1]) == {0, 1, 2, 3} | set(range(24, 30))
+    with pytest.raises(ValueError, match="2 layer counts for 3 layers"):
+        policy.kept_counts(3, T)
+    with pytest.raises(ValueError, match="keeps one budget in every layer"):
+        make_policy("h2o", 0.1, layer_budget=GivenCounts((2, 2)))
+    with pytest.raises(ValueError, match="static eviction only"):
+        make_policy("mpcache_exact", 0.1, layer_budget=GivenCounts((2, 2)))
 
 
 def test_pyramidkv_layer_counts_form_a_pyramid_under_the_budget():
     """B = 100, window 32: the other 68 per layer spread as 68/20 = 3.4 (top) .. 132.6
     (bottom), step 43.07 -> 164, 121, 78, 35 (floors), mean 99.5 <= 100."""
-    assert PyramidKV(budget=100).layer_counts(4, 1000) == (164, 121, 78, 35)
-    assert PyramidKV(budget=1.0).layer_counts(4, 50) == (50,) * 4
+    assert PyramidKV(budget=100).kept_counts(4, 1000) == (164, 121, 78, 35)
+    assert PyramidKV(budget=1.0).kept_counts(4, 50) == (50,) * 4
 
 
 @pytest.mark.parametrize("cls,bad,match", [

@@ -9,8 +9,8 @@ The probe: a synthetic dense cache whose value vectors are one-hot tags (token j
 e_j, head_dim >= prompt + new tokens), compressed by the policy itself and decoded through its
 own `attend`. The attention output of a head is then sum_j p_j e_j, so its nonzero entries are
 exactly the tokens that head attended to with nonzero weight, whatever the policy gathers,
-clusters or masks internally. A policy with per-layer budgets (a LayerBudgetPolicy) is
-held to its own per-layer counts, whose mean must not exceed the budget.
+clusters or masks internally. A policy holding a per-layer budget (a `LayerBudget`) is held
+to its own per-layer counts, whose mean must not exceed the budget.
 """
 import dataclasses
 import functools
@@ -24,8 +24,7 @@ from mpcache_jax import primitives as P
 from mpcache_jax.cache import LayerKV
 from mpcache_jax.policies import (POLICY_NAMES, make_policy, policy_class, policy_family,
                                   seam_violations)
-from mpcache_jax.policies.base import (DecodeEvictionPolicy, LayerBudgetPolicy,
-                                       PromptEvictionPolicy)
+from mpcache_jax.policies.base import DecodeEvictionPolicy, PromptEvictionPolicy
 from mpcache_jax.policies.snapkv import SnapKV
 from mpcache_jax.policy import PrefillAux
 from models import registry
@@ -131,8 +130,8 @@ def test_attends_to_at_most_budget_prompt_tokens(name, budget):
     policy = make_policy(name, budget)
     limit = P.budget_tokens(budget, PROMPT)
     per_layer = np.full(LAYERS, limit)
-    if isinstance(policy, LayerBudgetPolicy):
-        per_layer = np.asarray(policy.layer_counts(LAYERS, PROMPT))
+    if isinstance(policy, PromptEvictionPolicy) and policy.layer_budget is not None:
+        per_layer = np.asarray(policy.kept_counts(LAYERS, PROMPT))
         assert per_layer.mean() <= limit
     for step, seen in enumerate(_attended(policy)):
         prompt = seen[..., :PROMPT].sum(-1)                       # [L, H]

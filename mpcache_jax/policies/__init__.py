@@ -10,8 +10,7 @@ from typing import Callable
 
 from mpcache_jax.policy import FULL, AttentionPolicy, NoCache
 from mpcache_jax.policies import eviction, retrieval
-from mpcache_jax.policies.base import (DecodeEvictionPolicy, LayerBudgetPolicy,
-                                       PromptEvictionPolicy, StreamingLLM)
+from mpcache_jax.policies.base import DecodeEvictionPolicy, PromptEvictionPolicy, StreamingLLM
 from mpcache_jax.policies.mpcache import MPCache
 from mpcache_jax.policies.quest import PageSelectionPolicy
 from mpcache_jax.policies.working_set import WorkingSetMPCache
@@ -75,7 +74,7 @@ def make_policy(name: str, budget: float | int | None = None, **overrides) -> At
 # The policy families, most specific first: a policy belongs to the first one in its MRO and
 # writes only that family's HOOKS (docs/guide.md "Adding a policy").
 FAMILIES = (WorkingSetMPCache, MPCache, PageSelectionPolicy, DecodeEvictionPolicy,
-            LayerBudgetPolicy, PromptEvictionPolicy)
+            PromptEvictionPolicy)
 
 
 def policy_class(name: str) -> type:

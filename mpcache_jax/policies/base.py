@@ -296,26 +296,62 @@ def attend_working_set(q: jax.Array, working: WorkingSet, new: LayerKV,
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerBudget:
+    """How many prompt tokens each layer keeps, when layers differ: a component a prompt
+    eviction policy holds (`layer_budget`) around its own scoring, as kvpress wraps a press in
+    per-layer compression ratios. Counts are static ints whose mean is at most the budget;
+    each layer's region then has exactly its own count of slots (the cache is a tuple, so
+    layers may differ in shape). Frozen and hashable: it is part of the policy's identity."""
+
+    def counts(self, num_layers: int, prompt_len: int, budget: int) -> tuple[int, ...]:
+        """budget: tokens per layer on average (the policy's budget at this prompt length)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenCounts(LayerBudget):
+    """Fixed counts, one per layer (e.g. another implementation's kept counts to compare)."""
+
+    per_layer: tuple[int, ...] = ()
+
+    def counts(self, num_layers, prompt_len, budget):
+        if len(self.per_layer) != num_layers:
+            raise ValueError(f"{len(self.per_layer)} layer counts for {num_layers} layers")
+        return tuple(min(prompt_len, c) for c in self.per_layer)
+
+
+@dataclasses.dataclass(frozen=True)
 class PromptEvictionPolicy(AttentionPolicy):
     """Keep `budget` prompt tokens per layer, chosen once at prefill by `keep_scores`.
 
     Subclasses define `keep_scores` (and optionally `forced_keep`); decoding attends to the
-    kept tokens plus every generated token.
+    kept tokens plus every generated token. layer_budget: per-layer counts instead of the
+    budget in every layer (a `LayerBudget`: PyramidKV's pyramid, PrefixKV's calibrated curves).
     """
 
     # A family's hooks: what a policy of it must write (REQUIRED_HOOKS) and may write (HOOKS).
     # Every other method is shared machinery (`policies.seam_violations` checks a class).
     REQUIRED_HOOKS = ("keep_scores",)
     HOOKS = REQUIRED_HOOKS + ("forced_keep", "compress_carry", "check_prompt")
+    # Whether the family's machinery serves per-layer counts (a `layer_budget`); a family
+    # whose later steps assume one budget in every layer says False.
+    PER_LAYER_BUDGET = True
 
     budget: float | int = 0.1
     topk_method: str = "lax"
+    layer_budget: LayerBudget | None = None
 
     def __post_init__(self):
         super().__post_init__()
         validate_budget(self.budget)
         if self.topk_method not in P.TOPK_METHODS:
             raise ValueError(f"topk_method={self.topk_method!r}; use one of {P.TOPK_METHODS}")
+        if self.layer_budget is not None and not isinstance(self.layer_budget, LayerBudget):
+            raise ValueError(f"layer_budget={self.layer_budget!r} must be a LayerBudget "
+                             "(mpcache_jax.policies.base)")
+        if self.layer_budget is not None and not self.PER_LAYER_BUDGET:
+            raise ValueError(f"{self.name} keeps one budget in every layer (its decode steps "
+                             "assume it): drop layer_budget")
 
     # --- what subclasses say ---------------------------------------------------------------
     def keep_scores(self, layer: int, q, k, extent: E.Extent, carry) -> tuple[jax.Array, Any]:
@@ -346,7 +382,11 @@ class PromptEvictionPolicy(AttentionPolicy):
         return P.budget_tokens(self.budget, prompt_len)
 
     def kept_counts(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
-        """Prompt tokens kept by each layer (the same count everywhere unless overridden)."""
+        """Prompt tokens kept by each layer: the layer budget's counts, else the same count
+        everywhere."""
+        if self.layer_budget is not None:
+            return tuple(self.layer_budget.counts(num_layers, prompt_len,
+                                                  P.budget_tokens(self.budget, prompt_len)))
         return (self.kept_count(prompt_len),) * num_layers
 
     def layer_count(self, extent: E.Extent, num_layers: int, layer: int):
@@ -499,6 +539,7 @@ class DecodeEvictionPolicy(PromptEvictionPolicy):
 
     REQUIRED_HOOKS = ("keep_scores", "step_scores")
     HOOKS = REQUIRED_HOOKS + ("forced_keep", "evictable")
+    PER_LAYER_BUDGET = False
 
     decode_window: int | None = 16
 
@@ -605,30 +646,6 @@ class DecodeEvictionPolicy(PromptEvictionPolicy):
             pos=write_onehot(state.pos, slot, position * ones[:, 0]),
             seen=state.seen + 1)
         return out, new_state, carry
-
-
-# --- per-layer budgets (PrefixKV, PyramidKV) -----------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class LayerBudgetPolicy(PromptEvictionPolicy):
-    """Prompt eviction once at prefill with a static token count per layer.
-
-    `layer_counts` says how many prompt tokens each layer keeps; their mean is at most the
-    budget (B tokens per layer on average). Each layer's region has exactly its own count of
-    slots (the cache is a tuple, so layers may differ in shape; all shapes stay static).
-    """
-
-    REQUIRED_HOOKS = ("keep_scores", "layer_counts")
-    HOOKS = PromptEvictionPolicy.HOOKS + ("layer_counts",)
-
-    def layer_counts(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    def kept_counts(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
-        return self.layer_counts(num_layers, prompt_len)
-
-    def region_capacity(self, prompt_len: int, count: int) -> int:
-        return count
 
 
 def causal_attention_mass(q: jax.Array, k: jax.Array, chunk: int = 128, length=None

@@ -149,6 +149,9 @@ class MPCache(PromptEvictionPolicy):
     def __post_init__(self):
         super().__post_init__()
         object.__setattr__(self, "needs_queries", bool(self.static))
+        if self.layer_budget is not None and (self.dynamic or not self.static):
+            raise ValueError("a layer_budget needs static eviction only (static=True, "
+                             "dynamic=False): dynamic selection assumes one budget per layer")
         if (isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int)
                 or self.refresh_every < 1):
             raise ValueError(f"refresh_every={self.refresh_every!r} must be an integer >= 1 "

@@ -8,7 +8,9 @@ R_l = min{o : P_l(o) >= p} sum to the global budget (L x B tokens); layer l then
 ceil(R_l T) most important tokens (at least the 4 start tokens and the last 32, the recent
 window the method keeps while decoding, which are always kept). Per-layer counts must be static, so the curves are calibrated offline on sample
 prompts (`calibrate`; the CLI is experiments/prefixkv_calibrate.py), saved as JSON and applied through `calibration=PATH`.
-Without a calibration every layer keeps B tokens (same selection rule).
+Without a calibration every layer keeps B tokens (same selection rule). The per-layer counts
+are a `LorenzCurves` layer budget, the component any prompt eviction policy can hold:
+`mpcache_prefixkv` is MPCache's static eviction holding the same one.
 
     mpcache prefixkv-calibrate --model=smollm2-135m --out=results/prefixkv/smollm2-135m.json
 """
@@ -23,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpcache_jax import extent as E
-from mpcache_jax import primitives as P
-from mpcache_jax.policies.base import LayerBudgetPolicy, causal_attention_mass
+from mpcache_jax.policies.base import LayerBudget, PromptEvictionPolicy, causal_attention_mass
 from mpcache_jax.policies.mpcache import MPCache
 
 CALIBRATION_FORMAT = "prefixkv-lorenz-v1"
@@ -80,7 +81,42 @@ def load_curves(path: str) -> tuple[tuple[float, ...], ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefixKV(LayerBudgetPolicy):
+class LorenzCurves(LayerBudget):
+    """PrefixKV's per-layer counts: one retention ratio for every layer's Lorenz curve, binary
+    searched so the counts sum to the layers' total budget. curves: [L][grid + 1] shares (per
+    layer, rising from 0 to 1); floor: the fewest tokens a layer keeps (capped at the
+    budget)."""
+
+    curves: tuple = ()
+    floor: int = 1
+
+    def __post_init__(self):
+        for i, c in enumerate(self.curves):
+            a = np.asarray(c)
+            if a.ndim != 1 or len(a) < 2 or np.any(np.diff(a) < -1e-9) or abs(a[-1] - 1) > 1e-6:
+                raise ValueError(f"curve of layer {i} must rise from 0 to 1 on a grid")
+
+    def counts(self, num_layers, prompt_len, budget):
+        if budget == prompt_len:
+            return (budget,) * num_layers
+        if len(self.curves) != num_layers:
+            raise ValueError(f"the PrefixKV calibration has {len(self.curves)} layers but the model "
+                             f"has {num_layers}: calibrate on this model")
+        _, counts = search_retention(np.asarray(self.curves), num_layers * budget, prompt_len,
+                                     min(self.floor, budget))
+        return tuple(counts)
+
+
+def curves_budget(calibration: str | None, curves: tuple | None, floor: int):
+    """(curves, layer budget) of a policy given a calibration file or the curves themselves;
+    (None, None) without either (every layer keeps the budget)."""
+    if calibration is not None and curves is None:
+        curves = load_curves(calibration)
+    return curves, (None if curves is None else LorenzCurves(curves, floor))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixKV(PromptEvictionPolicy):
     """calibration: path of a JSON written by `calibrate`; curves: the same Lorenz curves as a
     tuple of per-layer tuples (filled from the file; static and hashable)."""
 
@@ -100,25 +136,10 @@ class PrefixKV(LayerBudgetPolicy):
         if self.num_sinks < 0 or self.num_recent < 1:
             raise ValueError(f"num_sinks={self.num_sinks} must be >= 0 and num_recent="
                              f"{self.num_recent} >= 1 (the last prompt token is always kept)")
-        if self.calibration is not None and self.curves is None:
-            object.__setattr__(self, "curves", load_curves(self.calibration))
-        if self.curves is not None:
-            for i, c in enumerate(self.curves):
-                a = np.asarray(c)
-                if a.ndim != 1 or len(a) < 2 or np.any(np.diff(a) < -1e-9) or abs(a[-1] - 1) > 1e-6:
-                    raise ValueError(f"curve of layer {i} must rise from 0 to 1 on a grid")
-
-    def layer_counts(self, num_layers, prompt_len):
-        budget = P.budget_tokens(self.budget, prompt_len)
-        if self.curves is None or budget == prompt_len:
-            return (budget,) * num_layers
-        if len(self.curves) != num_layers:
-            raise ValueError(f"the PrefixKV calibration has {len(self.curves)} layers but the model "
-                             f"has {num_layers}: calibrate on this model")
-        min_keep = min(self.num_sinks + 1, budget)
-        _, counts = search_retention(np.asarray(self.curves), num_layers * budget, prompt_len,
-                                     min_keep)
-        return tuple(counts)
+        # the layer budget follows the curves (a start token more than the sinks at least)
+        curves, layers = curves_budget(self.calibration, self.curves, self.num_sinks + 1)
+        object.__setattr__(self, "curves", curves)
+        object.__setattr__(self, "layer_budget", layers)
 
     def keep_scores(self, layer, q, k, extent, carry):
         length = None if extent.static else extent.length
@@ -135,23 +156,28 @@ class PrefixKV(LayerBudgetPolicy):
 
 
 @dataclasses.dataclass(frozen=True)
-class MPCachePrefixKV(PrefixKV, MPCache):
+class MPCachePrefixKV(MPCache):
     """MPCache's static eviction (votes of its last prompt queries, sinks and recent tokens
-    kept, layer sharing of the votes) with PrefixKV's calibrated per-layer budgets instead of
-    one budget for every layer. Static only: dynamic selection assumes one budget per layer."""
+    kept, layer sharing of the votes) holding PrefixKV's calibrated per-layer budget instead
+    of one budget for every layer. Static only: dynamic selection assumes one budget per
+    layer. calibration / curves: as PrefixKV's."""
 
     name: str = "mpcache_prefixkv"
     static: bool = True
     dynamic: bool = False
     share_group: int = 2        # the paper's static eviction: votes shared by layer pairs
     topk_method: str = "lax"
-    keep_scores = MPCache.keep_scores
-    forced_keep = MPCache.forced_keep
+    calibration: str | None = None
+    curves: tuple | None = None
 
     def __post_init__(self):
-        super().__post_init__()
         if self.dynamic:
             raise ValueError("mpcache_prefixkv is static eviction only (dynamic=False)")
+        # PrefixKV's floor: its 4 start tokens and one more
+        curves, layers = curves_budget(self.calibration, self.curves, PrefixKV.num_sinks + 1)
+        object.__setattr__(self, "curves", curves)
+        object.__setattr__(self, "layer_budget", layers)
+        super().__post_init__()
 
 
 def layer_importance(queries, cache, prompt_len: int) -> np.ndarray:

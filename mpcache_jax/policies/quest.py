@@ -73,6 +73,7 @@ class PageSelectionPolicy(PromptEvictionPolicy):
 
     REQUIRED_HOOKS = ("digest", "page_scores")
     HOOKS = REQUIRED_HOOKS + ("forced_pages", "after_select", "static_local", "check_layout")
+    PER_LAYER_BUDGET = False
 
     page_size: int = 16
     num_initial: int = 0

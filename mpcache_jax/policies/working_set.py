@@ -255,6 +255,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     REQUIRED_HOOKS = ()
     HOOKS = ()
+    PER_LAYER_BUDGET = False
     # The stripes are small rows ranked at constant depth: always the pairwise rank.
     TOPK_METHODS = ("rank",)
 
