@@ -164,3 +164,22 @@ def test_the_seam_check_names_redefined_machinery_and_a_missing_required_hook():
     assert seam_violations(Half) == [
         "Half does not write DecodeEvictionPolicy's required hook step_scores"]
     assert policy_family(Rewrites) is PromptEvictionPolicy and policy_family(Half) is DecodeEvictionPolicy
+
+
+def test_the_seam_check_holds_mpcache_variants_to_settings_only():
+    """MPCache is a family whose variants differ in settings, not code (HOOKS = ()):
+    `mpcache_prefixkv` is checked against it (it holds a layer budget and writes no method);
+    a variant that rewrites MPCache's scoring is named."""
+    from mpcache_jax.policies.mpcache import MPCache
+    from mpcache_jax.policies.prefixkv import MPCachePrefixKV
+
+    @dataclasses.dataclass(frozen=True)
+    class Rescored(MPCache):
+        def keep_scores(self, layer, q, k, extent, carry):
+            return k[..., 0], carry
+
+    assert policy_family(policy_class("mpcache_prefixkv")) is MPCache
+    assert seam_violations(MPCachePrefixKV) == []
+    assert seam_violations(Rescored) == [
+        "Rescored.keep_scores redefines MPCache's shared machinery; a MPCache writes no "
+        "method (its variants differ in settings)"]

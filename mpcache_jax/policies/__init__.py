@@ -98,8 +98,10 @@ def seam_violations(cls: type) -> list[str]:
     if family is None or family is cls:
         return []
     own = cls.__mro__[:cls.__mro__.index(family)]
+    allowed = (f"writes only {', '.join(family.HOOKS)}" if family.HOOKS else
+               "writes no method (its variants differ in settings)")
     out = [f"{klass.__name__}.{name} redefines {family.__name__}'s shared machinery; a "
-           f"{family.__name__} writes only {', '.join(family.HOOKS)}"
+           f"{family.__name__} {allowed}"
            for klass in own for name, value in vars(klass).items()
            if inspect.isfunction(value) and not name.startswith("__") and hasattr(family, name)
            and name not in family.HOOKS]
