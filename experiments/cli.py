@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import pathlib
 import sys
 from typing import Callable
 
@@ -81,7 +82,11 @@ def parse(flag_values: flags.FlagValues, argv: list[str], doc: str | None,
     argv = list(argv) or ["mpcache"]
     if any(word in HELP_WORDS for word in argv[1:]):
         names = "".join(f" {name}" for name in positional)
-        print(f"usage: {argv[0]} [flags]{names}\n")
+        program = argv[0]
+        if program.endswith(".py"):          # `python -m experiments.NAME`: argv[0] is the file
+            path = pathlib.Path(program)
+            program = f"python -m {path.parent.name}.{path.stem}"
+        print(f"usage: {program} [flags]{names}\n")
         if doc:
             print(doc.strip() + "\n")
         print(flag_values.get_help())

@@ -41,11 +41,13 @@ flags.DEFINE_enum("metric", None, ["contains", "exact", "qa_f1", "rouge_l"],
                   "LongBench metric (default: by dataset name).")
 flags.DEFINE_integer("ppl_target_len", 64, "Tokens scored after each ppl prefix.")
 flags.DEFINE_list("buckets",
-                  ["512", "1024", "1536", "2048", "3072", "4096", "6144", "8192", "12288",
-                   "16384", "24576", "32768"],
+                  ["256", "384", "512", "768", "1024", "1536", "2048", "3072", "4096", "6144",
+                   "8192", "12288", "16384", "24576", "32768"],
                   "Accuracy: prompts are padded to the first of these lengths that holds them "
                   "(their length a runtime value), so prefill, compression and decode compile "
-                  "once per bucket and policy; empty (--buckets=) compiles per exact length.")
+                  "once per bucket and policy; empty (--buckets=) compiles per exact length. "
+                  "The default's edges are the length classes (2^k, 3 x 2^(k-1)) by which the "
+                  "default policy lays out a prompt: a bucket spanning two is skipped by it.")
 flags.DEFINE_integer("agree_tokens", 16, "Accuracy: greedy agreement with the full cache and "
                      "the KL are measured over the first N generated tokens.")
 flags.DEFINE_bool("mechanism", True, "Accuracy: per-layer answer-span survival after static "

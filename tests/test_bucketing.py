@@ -131,3 +131,17 @@ def test_a_sample_that_does_not_fit_is_skipped_and_counted(llama):
     records = evaluate_batch(loaded, [sample], policies, _flags(), 1)[0]
     assert [r["policy"] for r in records] == ["full", "mpcache"]
     assert all(f"exceed the model's context of {context}" in r["skipped"] for r in records)
+
+
+def test_the_default_buckets_serve_the_default_policy_from_the_first_edge_up():
+    """Every default bucket above the first edge lies within one length class, so the default
+    policy (which lays out prompts by that class) runs every prompt of the suite's lengths
+    (a 1024-token prompt in [513, 1024] was skipped: the bucket spans 768 and 1024)."""
+    from experiments import flags_def
+    from mpcache_jax.policies.working_set import geometry_length
+    edges = [int(e) for e in flags_def.FLAGS["buckets"].default]
+    assert edges == sorted(edges) and {768, 1024, 2048, 8192, 32768} <= set(edges)
+    policy = make_policy("mpcache", 0.1)
+    for low, high in zip(edges, edges[1:]):
+        assert geometry_length(low + 1) == geometry_length(high), (low, high)
+        policy.check_bucketed(high, low + 1, high)
