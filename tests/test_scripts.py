@@ -1,7 +1,8 @@
 """What scripts/setup.sh and scripts/dev_requirements.sh install, checked with a stand-in
 python that records its arguments instead of running pip (no network, no real venv): setup.sh
-installs the runtime pins only, the test references come with the test command, and both skip
-pip once their hash stamp matches."""
+installs the runtime pins only and the `mpcache` command (the project itself, no dependencies),
+the test references come with the test command, and both skip pip once their hash stamp
+matches."""
 import pathlib
 import shutil
 import stat
@@ -11,6 +12,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$(dirname "$0")/../../calls.log"
+case "$*" in *" -e ."*) printf '#!/bin/sh\\n' > "$(dirname "$0")/mpcache"
+                        chmod +x "$(dirname "$0")/mpcache";; esac   # what pip's install makes
 exit 0
 """
 
@@ -47,12 +50,13 @@ def pip_calls(calls: list[str]) -> list[str]:
 def test_setup_installs_the_runtime_pins_only(tmp_path):
     repo = fake_repo(tmp_path)
     calls = pip_calls(run(repo, "setup.sh"))
-    assert len(calls) == 1 and calls[0].endswith("-r requirements.txt")
+    assert len(calls) == 2 and calls[0].endswith("-r requirements.txt")
+    assert calls[1].endswith("--no-deps -e .")                  # the command, no dependencies
     assert "requirements-dev.txt" not in calls[0]
     runtime = (REPO_ROOT / "requirements.txt").read_text()
     for reference in ("torch", "transformers", "accelerate", "pytest"):
         assert reference not in runtime
-    assert len(pip_calls(run(repo, "setup.sh"))) == 1       # stamp matches: no second pip
+    assert len(pip_calls(run(repo, "setup.sh"))) == 2       # stamp and command there: no pip
 
 
 def test_dev_requirements_install_once_with_the_runtime_pins(tmp_path):
@@ -81,7 +85,7 @@ def test_pyproject_reads_the_pins():
     assert dynamic["dependencies"] == {"file": ["requirements.txt"]}
     assert dynamic["optional-dependencies"]["dev"] == {"file": ["requirements-dev.txt"]}
     assert dynamic["optional-dependencies"]["kvpress"] == {"file": ["requirements-kvpress.txt"]}
-    assert project["project"]["scripts"]["mpcache"] == "experiments.run:entry"
+    assert project["project"]["scripts"]["mpcache"] == "experiments.cli:entry"
     for name in ("requirements.txt", "requirements-dev.txt", "requirements-kvpress.txt"):
         lines = (REPO_ROOT / name).read_text().splitlines()
         assert not any(line.startswith("-") for line in lines), f"{name}: setuptools reads no options"
