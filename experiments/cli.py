@@ -18,7 +18,6 @@ import importlib
 import os
 import pathlib
 import sys
-from typing import Callable
 
 from absl import app, flags
 
@@ -119,15 +118,6 @@ def _global_help(program: str, module) -> None:
             print(flags.FLAGS.module_help(name) + "\n")
 
 
-def _call_global(main: Callable, argv: list[str]) -> int:
-    """An absl main that reads the process-wide FLAGS, the way `python -m` runs it."""
-    try:
-        app.run(main, argv=argv)
-    except KeyboardInterrupt:
-        return 130
-    return 0       # app.run exits the process itself; this is not reached
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in (*HELP_WORDS, "help"):
@@ -151,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         if any(word in HELP_WORDS for word in rest):
             _global_help(program, module)
             return 0
-        return _call_global(module.main, [program, *rest])
+        # the way `python -m` runs it: app.run parses absl's FLAGS and exits with main's status
+        return app.run(module.main, argv=[program, *rest])
     return module.main([program, *rest]) or 0
 
 

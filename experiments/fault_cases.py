@@ -68,9 +68,9 @@ def _flags() -> flags.FlagValues:
     return fv
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = _flags()
-    cli.parse(args, sys.argv if argv is None else argv, __doc__)
+    cli.parse(args, argv, __doc__)
     root = pathlib.Path(args.output_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     ctx = Context(root)
@@ -107,4 +107,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv))

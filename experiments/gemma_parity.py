@@ -169,9 +169,9 @@ def _flags() -> flags.FlagValues:
     return fv
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = _flags()
-    cli.parse(args, sys.argv if argv is None else argv, __doc__)
+    cli.parse(args, argv, __doc__)
     missing = [name for name in ("torch", "transformers")
                if importlib.util.find_spec(name) is None]
     if missing:
@@ -206,4 +206,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv))

@@ -266,10 +266,10 @@ def _flags() -> flags.FlagValues:
     return fv
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     """Write a LongBench-format JSONL of mixed-length natural-prose samples."""
     args = _flags()
-    cli.parse(args, sys.argv if argv is None else argv, main.__doc__)
+    cli.parse(args, argv, main.__doc__)
     if args.num_samples < 1 or not 0 < args.min_words <= args.max_words:
         cli.usage_error("--num_samples >= 1 and 0 < --min_words <= --max_words are needed")
     out = pathlib.Path(args.out)
@@ -280,4 +280,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv)

@@ -171,9 +171,9 @@ def _flags() -> flags.FlagValues:
     return fv
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = _flags()
-    cli.parse(args, sys.argv if argv is None else argv, __doc__)
+    cli.parse(args, argv, __doc__)
     fid_paths = [pathlib.Path(d) / "summary.csv" for d in args.fidelity_dir.split(",")]
     cost_path = pathlib.Path(args.cost_dir) / "results.jsonl"
     for p in fid_paths + [cost_path]:
@@ -203,4 +203,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv))

@@ -45,12 +45,12 @@ def _flags() -> flags.FlagValues:
     return fv
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     """Calibrate PrefixKV's per-layer Lorenz curves on sample prompts (windows of
     experiments/data/haystack.txt; random ids for models without a tokenizer) and save them as
     JSON for make_policy('prefixkv', calibration=PATH)."""
     args = _flags()
-    cli.parse(args, sys.argv if argv is None else argv, main.__doc__)
+    cli.parse(args, argv, main.__doc__)
     if args.num_prompts < 1 or args.length < 2 or args.grid < 2:
         cli.usage_error("--num_prompts >= 1, --length >= 2 and --grid >= 2 are needed")
     loaded = registry.load(args.model, seed=args.seed)
@@ -66,4 +66,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv)

@@ -58,9 +58,9 @@ def _flags() -> flags.FlagValues:
     return fv
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     args = _flags()
-    cli.parse(args, sys.argv if argv is None else argv, __doc__)
+    cli.parse(args, argv, __doc__)
     try:
         sizes = [int(n) for n in args.sizes.split(",")]
     except ValueError:
@@ -81,4 +81,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv)
