@@ -135,14 +135,23 @@ def evaluate_batch(loaded, batch, policies, cfg: AccuracyConfig,
     return [out[i] for i in range(len(batch))]
 
 
-def batches(samples, cfg: AccuracyConfig, context: int, size: int) -> list[list]:
-    """The samples in groups of at most `size` that share one prompt shape (bucket, or exact
-    length with --buckets=) and one number of decode steps, in the order they come."""
+def batches(samples, cfg: AccuracyConfig, context: int,
+            size: int) -> list[tuple[list, int]]:
+    """The samples in groups that share one prompt shape (bucket, or exact length with
+    --buckets=) and one number of decode steps, in the order they come, each group cut into
+    as few batches of at most `size` as it needs -> [(batch, padded size)]. A group's
+    batches are evened out and padded to one size (one compilation per shape), never above
+    the group's own count: one sample runs as a batch of one, seven with `size` 5 as 4 + 3
+    padded to 4, not 5 + 2 padded to 5."""
     groups = collections.defaultdict(list)
     for sample in samples:
         shape = sample_bucket(sample, cfg, context) or len(sample.prompt_ids)
         groups[(shape, new_tokens(sample, cfg))].append(sample)
-    return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
+    out = []
+    for group in groups.values():
+        pad_to = -(-len(group) // -(-len(group) // size))
+        out += [(group[i:i + pad_to], pad_to) for i in range(0, len(group), pad_to)]
+    return out
 
 
 def batch_size(cfg: AccuracyConfig, loaded, samples, policies,
@@ -282,7 +291,7 @@ def evaluate(cfg: AccuracyConfig) -> list[dict]:
     warm_s = []     # wall time per sample of batches that compiled nothing (after warm-up)
     for number, chunk in enumerate(chunks, 1):
         before = compilations()
-        for batch in groups:
+        for batch, pad_to in groups:
             todo = [s for s in batch if any(
                 record_key(s.task, s.sample_id, label, budget) not in finished
                 for label, budget, _ in chunk)]
@@ -290,7 +299,7 @@ def evaluate(cfg: AccuracyConfig) -> list[dict]:
             if not todo:
                 continue
             start, seen = time.perf_counter(), compilations()
-            per_sample = evaluate_batch(loaded, todo, chunk, cfg, size)
+            per_sample = evaluate_batch(loaded, todo, chunk, cfg, pad_to)
             if compilations() == seen:
                 warm_s.extend([(time.perf_counter() - start) / len(todo)] * len(todo))
             records = [{**r, "config_hash": settings_hash} for sample_records in per_sample

@@ -138,24 +138,29 @@ def evaluate_batch(loaded, samples, policies, *, max_new_tokens: int, agree_toke
     stop_ids = jnp.asarray(sorted(set(int(t) for t in tok.stop_ids)), jnp.int32).reshape(-1)
     prefill_peak = common.peak_rss_mb()
 
-    def run(policy, cache, forced_tokens=None, count=steps, keep_logits=False):
-        """(tokens, counts, logits rows or None) as numpy; the loop's final cache is dropped
+    def run(policy, cache, forced_tokens=None, n_forced=0, limit=steps):
+        """(tokens, counts, logits rows) as numpy: greedy decoding after the first `n_forced`
+        steps, which feed `forced_tokens` [size, steps]; `limit` steps in all. Every run is
+        one program per policy (these are runtime values). The loop's final cache is dropped
         at once (it is as large as the batch's caches)."""
+        fed = np.zeros((size, steps), np.int32)
+        if forced_tokens is not None:
+            fed[:, :forced_tokens.shape[1]] = forced_tokens
         tokens, counts, _, rows, _ = decode_loop_batch(
-            model, policy, params, logits, cache, start, stop_ids, forced_tokens, steps=count,
-            keep_logits=keep_logits)
-        return np.asarray(tokens), np.asarray(counts), (None if rows is None else
-                                                        np.asarray(rows))
+            model, policy, params, logits, cache, start, stop_ids, jnp.asarray(fed),
+            jnp.full((size,), n_forced, jnp.int32), jnp.full((size,), limit, jnp.int32),
+            steps=steps, keep_logits=True)
+        return np.asarray(tokens), np.asarray(counts), np.asarray(rows)
 
     if forced:
         targets = np.asarray([list(s.target_ids) for s in samples] +
                              [list(samples[-1].target_ids)] * (size - real), np.int32)
         _, _, ref_rows = run(FULL, unaliased(compress_batch(FULL, dense, aux, steps), dense),
-                             jnp.asarray(targets), keep_logits=True)
+                             targets, steps)
         refs = [Reference(list(s.target_ids), ref_rows[i]) for i, s in enumerate(samples)]
     else:
         tokens, counts, ref_rows = run(FULL, unaliased(compress_batch(FULL, dense, aux, steps),
-                                                       dense), keep_logits=True)
+                                                       dense))
         refs = [Reference([int(t) for t in tokens[i, :counts[i]]], ref_rows[i, :counts[i]])
                 for i in range(real)]
     del ref_rows
@@ -202,15 +207,14 @@ def evaluate_batch(loaded, samples, policies, *, max_new_tokens: int, agree_toke
                         "agree_prefix": 1.0, "kl": 0.0, "peak_rss_mb": reference_peak}
                        for i in range(real)]
         elif forced:
-            _, _, rows = run(policy, compress_batch(policy, dense, aux, steps),
-                             jnp.asarray(targets), keep_logits=True)
+            _, _, rows = run(policy, compress_batch(policy, dense, aux, steps), targets, steps)
             for i, ref in enumerate(refs):
                 run_i = forced_metrics(rows[i], ref)
                 results.append({"score": run_i["ppl"], "output": "", "agree": run_i["agree"],
                                 "agree_prefix": run_i["agree"], "kl": run_i["kl"]})
         else:
-            _, _, rows = run(policy, compress_batch(policy, dense, aux, steps),
-                             jnp.asarray(ref_fed), n_forced, True)
+            _, _, rows = run(policy, compress_batch(policy, dense, aux, steps), ref_fed,
+                             n_forced, n_forced)
             tokens, counts, _ = run(policy, compress_batch(policy, dense, aux, steps))
             for i, (sample, ref) in enumerate(zip(samples, refs)):
                 generated = [int(t) for t in tokens[i, :counts[i]]]

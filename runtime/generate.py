@@ -192,21 +192,66 @@ def decode_loop(model, policy: AttentionPolicy, params, logits, cache, start_pos
 @functools.partial(jax.jit, static_argnames=("model", "policy", "steps", "keep_logits"),
                    donate_argnames=("cache",))
 def decode_loop_batch(model, policy: AttentionPolicy, params, logits, cache, start_pos,
-                      stop_ids, forced=None, *, steps: int, keep_logits: bool = False):
+                      stop_ids, forced=None, n_forced=None, limit=None, *, steps: int,
+                      keep_logits: bool = False):
     """`decode_loop` (greedy) for a batch of samples at once: logits [B, V], cache (a batch of
-    caches: `stack_samples`), start_pos [B], forced [B, steps] or None. The weights are read
-    once per step for the whole batch; the loop runs until every sample has stopped (a sample
-    that stopped keeps its results). Each sample decodes `steps` tokens into its cache (one
-    after its last, dropped): the caches hold prompt + steps tokens."""
-    params = _stacked_params(model, params, cache)
-    key = jax.random.PRNGKey(0)       # greedy: the key is never used
-    axes = sample_axes(cache)
+    caches: `stack_samples`), start_pos [B]. The weights are read once per step for the whole
+    batch; the loop runs until every sample has stopped (a sample that stopped keeps its
+    results). Each step decodes every sample (one after its last too, dropped): the caches
+    hold prompt + steps tokens.
 
-    def one(logits, cache, start_pos, forced):
-        return _loop(model, policy, params, logits, cache, start_pos, key, stop_ids, forced,
-                     steps, 0.0, 1.0, keep_logits, always_decode=True)
-    return jax.vmap(one, in_axes=(0, axes, 0, None if forced is None else 0),
-                    out_axes=(0, 0, 0, 0, axes))(logits, cache, start_pos, forced)
+    forced: int32 [B, steps] tokens to feed; n_forced: int32 [B], how many of them sample i
+    takes before it decodes greedily (default: all `steps` when `forced` is given, else none);
+    a forced step has no stop test. limit: int32 [B], the steps of sample i (<= steps, default
+    steps). With these as runtime values one compiled program serves a policy's free run, its
+    teacher-forced run and the reference's.
+
+    The loop is over the batch (`lax.while_loop` of a `vmap`ped decode step), not a `vmap` of
+    the one-sample loop: a batched loop would select every sample's whole cache each step,
+    and vmap would re-batch the layers' whole jaxpr once per carry element it finds batched
+    (5 passes: 6 s of tracing per program on SmolLM2's 30 unrolled layers).
+
+    Returns (tokens int32 [B, steps] (-1 past each sample's end), count int32 [B],
+    stopped bool [B], logits of each step [B, steps, V] (zeros past the end) when
+    keep_logits, else None, the final cache)."""
+    params = _stacked_params(model, params, cache)
+    batch = logits.shape[0]
+    key = jax.random.PRNGKey(0)       # greedy: the key is never used
+    if forced is None:
+        forced = jnp.zeros((batch, steps), jnp.int32)
+        n_forced = jnp.zeros((batch,), jnp.int32) if n_forced is None else n_forced
+    elif n_forced is None:
+        n_forced = jnp.full((batch,), steps, jnp.int32)
+    limit = jnp.full((batch,), steps, jnp.int32) if limit is None else limit
+    decode_all = jax.vmap(
+        lambda token, pos, cache: decode_logits(model, policy, params, token, pos, cache,
+                                                XLA_MIN_ROWS),
+        in_axes=(0, 0, sample_axes(cache)), out_axes=(0, sample_axes(cache)))
+    greedy = jax.vmap(lambda row: _sample(row, key, 0.0, 1.0))
+
+    def body(state):
+        step, logits, cache, tokens, rows, count, stopped, done = state
+        active = ~done
+        free = step >= n_forced
+        token = jnp.where(free, greedy(logits), forced[:, step])
+        is_stop = (jnp.any(token[:, None] == stop_ids[None, :], axis=1) & free
+                   if stop_ids.size else jnp.zeros((batch,), bool))
+        tokens = tokens.at[:, step].set(jnp.where(active, token, -1))
+        if keep_logits:
+            rows = rows.at[:, step].set(jnp.where(active[:, None], logits, 0.0))
+        count = jnp.where(active, step + 1, count)
+        stopped = jnp.where(active, is_stop, stopped)
+        done = done | is_stop | (step + 1 >= limit)
+        logits, cache = decode_all(token, start_pos + step, cache)
+        return step + 1, logits, cache, tokens, rows, count, stopped, done
+
+    rows = jnp.zeros((batch, steps) + logits.shape[1:], logits.dtype) if keep_logits else None
+    state = (jnp.zeros((), jnp.int32), logits, cache, jnp.full((batch, steps), -1, jnp.int32),
+             rows, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
+             jnp.zeros((batch,), bool))
+    _, _, cache, tokens, rows, count, stopped, _ = jax.lax.while_loop(
+        lambda state: ~jnp.all(state[7]), body, state)
+    return tokens, count, stopped, rows, cache
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "max_new_tokens"))

@@ -135,6 +135,58 @@ def test_a_batch_decodes_as_its_samples_one_by_one(tiny):
                                                          1).length), 101)
 
 
+def test_one_batch_mixes_forced_steps_limits_and_stops(tiny):
+    """Per sample, n_forced leading tokens fed, then greedy; its own limit of steps; a stop
+    token only ends a free step: each sample as the host loop gives it alone, -1 and zero rows
+    past its end, in one program for all three settings."""
+    model, params = tiny
+    rng = np.random.RandomState(5)
+    prompts = [list(rng.randint(0, 256, n)) for n in (110, 120, 128)]
+    policy = make_policy("mpcache", 0.4)
+    bucket, steps = (97, 128), 8
+    outs = [prefill_prompt(model, params, p, steps, False, bucket=bucket) for p in prompts]
+    from runtime.generate import compress_batch
+    cache = compress_batch(policy, stack_samples([o[1] for o in outs]),
+                           stack_samples([o[2] for o in outs]), steps)
+    free_tokens, _ = _host_loop(model, params, outs[2][0],
+                                apply_policy(policy, outs[2][1], outs[2][2], steps), policy,
+                                len(prompts[2]), steps, SamplingConfig())
+    # sample 2 stops at the last token that its free run has not produced before
+    firsts = [t for j, t in enumerate(free_tokens[:-1]) if j and free_tokens.index(t) == j]
+    stop = jnp.asarray([firsts[-1]], jnp.int32)
+    forced = jnp.asarray(rng.randint(0, 256, (3, steps)), jnp.int32)
+    n_forced = jnp.asarray([3, steps, 0], jnp.int32)
+    limit = jnp.asarray([6, 4, steps], jnp.int32)
+    start = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    tokens, counts, stopped, rows, _ = decode_loop_batch(
+        model, policy, params, jnp.stack([o[0] for o in outs]), cache, start, stop, forced,
+        n_forced, limit, steps=steps, keep_logits=True)
+    ends = []
+    for i, (prompt, (logits, dense, aux)) in enumerate(zip(prompts, outs)):
+        single = apply_policy(policy, dense, aux, steps)
+        want, want_rows, hit_stop = [], [], False
+        for step in range(int(limit[i])):
+            want_rows.append(np.asarray(logits))
+            free = step >= int(n_forced[i])
+            token = int(jnp.argmax(logits)) if free else int(forced[i, step])
+            want.append(token)
+            if free and token == int(stop[0]):
+                hit_stop = True
+                break
+            logits, single = model.decode_step(params, token, len(prompt) + step, single,
+                                               policy)
+        got = [int(t) for t in np.asarray(tokens[i])]
+        assert got == want + [-1] * (steps - len(want)), i
+        assert int(counts[i]) == len(want)
+        np.testing.assert_allclose(np.asarray(rows[i, :len(want)]), np.stack(want_rows),
+                                   atol=1e-5)
+        assert not np.asarray(rows[i, len(want):]).any()
+        assert bool(stopped[i]) == hit_stop
+        ends.append("stop" if hit_stop else len(want))
+    assert ends[1] == 4 and ends[2] == "stop"           # the limit, and the stop token
+    assert 1 < int(counts[2]) < steps and int(counts[1]) == 4
+
+
 def test_the_batched_harness_gives_each_samples_records_alone():
     """experiments.fidelity.evaluate_batch on three samples of one bucket: the same records
     (outputs, agreement, KL) as each sample evaluated alone."""
