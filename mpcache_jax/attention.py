@@ -102,6 +102,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
 
 # Query rows per block of the models' causal prefill attention (see causal_attention).
 PREFILL_BLOCK = 256
+# Above this many causal score elements (float32: 16 GiB) a prompt's unwindowed blocks run as
+# one loop over full-width key rows instead of unrolled triangle blocks (see causal_attention).
+LOOPED_SCORE_ELEMENTS = 1 << 32
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -122,10 +125,15 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     (block + window - 1), and run as one loop body (`lax.map` over their public start rows)
     instead of one unrolled copy each: the same arithmetic on the same shapes, compiled once.
     Inside a whole model XLA may fuse it differently than the unrolled blocks (float noise).
+    Without a window, past LOOPED_SCORE_ELEMENTS causal scores (H x T x T / 2: llama2-d1024 from
+    16k tokens, not Gemma's 4 heads at 32k), the blocks run as one loop over full-width keys
+    (`_looped_causal_attention`): memory bounded on any XLA backend, at twice the score work.
     """
     H, T, d = q.shape
     block = T if block is None else min(block, T)
     starts = range(0, T, block)
+    if window is None and H * T * (T + block) // 2 > LOOPED_SCORE_ELEMENTS:
+        return _looped_causal_attention(q, k, v, block)
 
     def unrolled(start):
         stop = min(start + block, T)
@@ -151,6 +159,25 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         outs = ([unrolled(s) for s in starts if s < uniform[0]] + [middle]
                 + [unrolled(s) for s in starts if s > uniform[-1]])
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def _looped_causal_attention(q, k, v, block: int) -> jax.Array:
+    """causal_attention of a very long prompt without a window: the query blocks as one loop
+    (`lax.map` over their public start rows), each scoring every key with the causal mask.
+    Twice the triangle's score work, but one block's scores alive at a time: the unrolled
+    blocks are independent, and a scheduler that runs them side by side holds them all
+    (llama2-d1024 at 32768 tokens: 69 GB of scores per layer). q: [H, T, d], block <= T; a
+    last partial block is computed as the block ending at row T, its new rows kept."""
+    H, T, d = q.shape
+    n = -(-T // block)
+    starts = [i * block for i in range(n - 1)] + [T - block]
+
+    def one(start):                            # start: int32 [] (public)
+        return _attention_block(jax.lax.dynamic_slice_in_dim(q, start, block, axis=1), k, v,
+                                start, 0, None)
+    out = jnp.moveaxis(jax.lax.map(one, jnp.asarray(starts, jnp.int32)), 0, 1)  # [H, n, b, d]
+    head = out[:, :n - 1].reshape(H, (n - 1) * block, d)
+    return jnp.concatenate([head, out[:, n - 1, (n - 1) * block - starts[-1]:]], axis=1)
 
 
 def _attention_block(q, k, v, start, first, window):

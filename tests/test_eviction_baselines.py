@@ -7,7 +7,7 @@ import pytest
 
 from mpcache_jax.cache import LayerKV
 from mpcache_jax.policies import make_policy
-from mpcache_jax.policies.base import GivenCounts, StreamingLLM
+from mpcache_jax.policies.base import GivenCounts, StreamingLLM, window_attention_mass
 from mpcache_jax.policies.h2o import H2O
 from mpcache_jax.policies.prefixkv import (MPCachePrefixKV, PrefixKV, lorenz_curve,
                                            search_retention)
@@ -52,6 +52,30 @@ def test_max_pool_spreads_each_peak_over_its_kernel():
     x = jnp.asarray([0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 1, 0], jnp.float32)
     np.testing.assert_array_equal(np.asarray(max_pool_1d(x, 7)),
                                   [5, 5, 5, 5, 5, 5, 5, 1, 1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("length", [None, 53, 64])
+def test_a_long_vote_in_blocks_of_rows_equals_the_one_block_vote(reduce, length):
+    """The voting window scored in blocks of query rows (uneven split, the first block
+    starting before row 0 when the window is the whole prompt, a bucketed prompt's runtime
+    length and window) gives the one-block vote."""
+    rng = np.random.RandomState(4)
+    q = jnp.asarray(rng.randn(4, 64, 8), jnp.float32)
+    k = jnp.asarray(rng.randn(2, 64, 8), jnp.float32)
+    for window in (7, 30, 64 if length is None else 53):
+        if length is None:
+            args = dict(window=window, reduce=reduce)
+        else:
+            bound = min(window, length)                 # rows scored; the last bound - 2 count
+            args = dict(window=jnp.asarray(bound - 2, jnp.int32), reduce=reduce,
+                        extent=Extent(64, jnp.asarray(length, jnp.int32), 40), window_max=bound)
+        whole = window_attention_mass(q, k, **args)
+        for rows in (1, 3, 16):
+            blocked = window_attention_mass(q, k, block_elements=4 * 64 * rows, **args)
+            np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), rtol=1e-5,
+                                       atol=1e-6)
+    assert float(jnp.max(whole)) > 0.1
 
 
 def test_snapkv_keeps_pooled_neighbourhood_of_the_voted_token_and_the_window():

@@ -54,13 +54,17 @@ def _max_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 
 
-@pytest.fixture(params=[None, 4], ids=["prefill_block_default", "prefill_block_4"])
+@pytest.fixture(params=[None, 4, "looped"],
+                ids=["prefill_block_default", "prefill_block_4", "prefill_blocks_looped"])
 def prefill_block(request, monkeypatch):
     """Prefill and forward attention in query blocks of 4 rows (attention.causal_attention):
-    several blocks at these lengths, checked against decode steps, which never use blocks."""
+    several blocks at these lengths, unrolled or as the loop of very long prompts, checked
+    against decode steps, which never use blocks."""
     from mpcache_jax import attention
     if request.param is not None:
-        monkeypatch.setattr(attention, "PREFILL_BLOCK", request.param)
+        monkeypatch.setattr(attention, "PREFILL_BLOCK", 4)
+    if request.param == "looped":
+        monkeypatch.setattr(attention, "LOOPED_SCORE_ELEMENTS", 0)
     jax.clear_caches()   # the block size is read at trace time
     yield request.param
     jax.clear_caches()

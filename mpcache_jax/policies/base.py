@@ -66,17 +66,31 @@ def prompt_kv(layer: LayerKV, prompt_len: int) -> tuple[jax.Array, jax.Array]:
     return layer.k[:, :prompt_len], layer.v[:, :prompt_len]
 
 
+# The most score elements (float32) a vote scores at once: a longer voting window is scored in
+# blocks of query rows (llama2-d1024's 20% window at 32768 tokens would otherwise hold
+# 32 x 6554 x 32768 scores, 27 GB, per layer). Below it the one-block program is unchanged.
+VOTE_BLOCK_ELEMENTS = 1 << 28
+
+
 def window_attention_mass(q: jax.Array, k: jax.Array, window, reduce: str = "sum",
-                          extent: E.Extent | None = None, window_max: int | None = None
-                          ) -> jax.Array:
+                          extent: E.Extent | None = None, window_max: int | None = None,
+                          block_elements: int = VOTE_BLOCK_ELEMENTS) -> jax.Array:
     """Attention the last `window` prompt queries give each key, summed (or maxed) over them.
 
     q: [H, T, d]; k: [H_kv, T, d] -> [H_kv, G, T] (causal within the prompt). For a bucketed
     prompt (`extent` with a runtime length) `window` is an int32 scalar <= window_max: the
     window_max queries ending at the last real token are scored and the earlier ones masked.
+    When H x rows x T exceeds `block_elements` the rows go in blocks (a `lax.scan`, the sum or
+    max carried): the same result up to float summation order, in bounded memory.
     """
-    T = k.shape[1]
-    if extent is None or extent.static:
+    H, T, _ = q.shape
+    static = extent is None or extent.static
+    rows_max = window if static else window_max
+    per_block = max(1, block_elements // (H * T))
+    if rows_max > per_block:
+        end = T if static else extent.length
+        return _blocked_window_mass(q, k, window, reduce, end, rows_max, per_block)
+    if static:
         logits = attention.grouped_scores(q[:, T - window:], k)      # [H_kv, G, W, T]
         positions = np.arange(T - window, T)[:, None]
         causal = (np.arange(T)[None, :] <= positions).astype(np.float32)
@@ -90,6 +104,34 @@ def window_attention_mass(q: jax.Array, k: jax.Array, window, reduce: str = "sum
         probs = attention.masked_softmax(attention.grouped_scores(rows, k), causal)
         probs = probs * counted.astype(probs.dtype)
     return jnp.max(probs, axis=2) if reduce == "max" else jnp.sum(probs, axis=2)
+
+
+def _blocked_window_mass(q, k, window, reduce, end, rows_max: int, per_block: int):
+    """window_attention_mass over the rows [end - rows_max, end) in equal blocks of at most
+    `per_block` rows. end, window: ints or int32 [] (public). A block's nominal rows are
+    [first, first + rows); the first block may start before row 0, where dynamic_slice
+    shifts it: rows outside the nominal range, or before end - window, count for nothing."""
+    T = q.shape[1]
+    blocks = -(-rows_max // per_block)
+    rows = -(-rows_max // blocks)
+    keys = jnp.arange(T)[None, :]
+
+    def body(acc, index):
+        first = end - blocks * rows + index * rows                  # nominal first row
+        taken = jnp.clip(first, 0, T - rows)                        # where dynamic_slice reads
+        positions = (taken + jnp.arange(rows))[:, None]
+        counted = ((positions >= first) & (positions < first + rows)
+                   & (positions >= end - window) & (positions < end))
+        probs = attention.masked_softmax(
+            attention.grouped_scores(jax.lax.dynamic_slice_in_dim(q, taken, rows, axis=1), k),
+            keys <= positions)
+        probs = probs * counted.astype(probs.dtype)
+        part = jnp.max(probs, axis=2) if reduce == "max" else jnp.sum(probs, axis=2)
+        return (jnp.maximum(acc, part) if reduce == "max" else acc + part), None
+
+    H_kv = k.shape[0]
+    init = jnp.zeros((H_kv, q.shape[0] // H_kv, T), q.dtype)
+    return jax.lax.scan(body, init, jnp.arange(blocks))[0]
 
 
 def keep_by_mask(k: jax.Array, v: jax.Array, keep: jax.Array, count, capacity: int):
