@@ -349,9 +349,10 @@ def test_selection_matches_brute_force(levels):
 @pytest.mark.parametrize("start,stop", [(0, 24), (3, 19)])
 def test_attend_selected_equals_gathering_keys_and_values(start, stop, shared):
     """Scores picked and probabilities scattered back by the one-hot = attention over the
-    gathered clusters (plus the slots outside [start, stop) and the generated tokens)."""
+    gathered clusters (plus the slots outside [start, stop) and the generated tokens), and so
+    does the plaintext path's softmax masked by the selection (`attend_masked`)."""
     from mpcache_jax.cache import append_token
-    from mpcache_jax.policies.base import attend_selected, attend_with_new
+    from mpcache_jax.policies.base import attend_masked, attend_selected, attend_with_new
     rng = np.random.RandomState(7)
     Hkv, G, S, d, s = 2, 2, 24, 4, 4
     S = stop + 5 if start else S
@@ -376,8 +377,14 @@ def test_attend_selected_equals_gathering_keys_and_values(start, stop, shared):
     take = lambda x: jnp.stack([x[h, idx] for h, idx in enumerate(slots)])
     expected = attend_with_new(q, take(k), take(v), take(jnp.asarray(valid)), new)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    masked = attend_masked(q, k, v, valid[0] if shared else valid, new,
+                           jnp.asarray(np.broadcast_to(mask[:1], mask.shape) if shared else mask),
+                           s, start, stop)
+    np.testing.assert_allclose(np.asarray(masked), np.asarray(expected), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="do not tile"):
         attend_selected(q, k, v, valid, new, onehot, s + 1, start, stop)
+    with pytest.raises(ValueError, match="do not tile"):
+        attend_masked(q, k, v, valid, new, jnp.asarray(mask), s + 1, start, stop)
 
 
 def test_softmax_normalisations_agree_and_are_validated(tiny):

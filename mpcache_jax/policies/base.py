@@ -259,6 +259,34 @@ def attend_selected(q, k, v, valid, new: LayerKV, onehot, cluster_size: int, sta
     return jnp.einsum("kgs,ksd->kgd", p_all, v_all).reshape(q.shape)
 
 
+def attend_masked(q, k, v, valid, new: LayerKV, mask, cluster_size: int, start: int,
+                  stop: int, normalize: str = "reciprocal") -> jax.Array:
+    """`attend_selected` from the selection mask itself, for plaintext (XLA) runs: the clusters
+    `mask` marks in slots [start, stop), every other valid prompt slot and the generated
+    tokens, as one masked softmax over the whole cache. The same attention up to float
+    summation order, in O(S) work per head instead of the one-hot's O(n S) (LongCache at 8192
+    tokens: a [819, 8192] one-hot per KV head, layer and step). Under MPC the one-hot stays:
+    a secret mask cannot select without it.
+
+    q: [H, d]; k, v: [H_kv, S, d]; valid: [S] or [1 or H_kv, S] 0/1 (public); mask: [H_kv, C]
+    0/1 over the C = (stop - start) / cluster_size clusters -> [H, d]."""
+    Hkv, S, _ = k.shape
+    if mask.shape[-1] * cluster_size != stop - start:
+        raise ValueError(f"{mask.shape[-1]} clusters of {cluster_size} do not tile slots "
+                         f"[{start}, {stop})")
+    valid = jnp.asarray(valid)
+    valid = jnp.broadcast_to(valid if valid.ndim == 2 else valid[None], (Hkv, S)) > 0.5
+    picked = jnp.repeat(mask > 0, cluster_size, axis=-1)                  # [H_kv, stop - start]
+    prompt = jnp.concatenate([valid[:, :start], valid[:, start:stop] & picked,
+                              valid[:, stop:]], axis=-1)
+    new_valid = jnp.broadcast_to(new.valid() > 0.5, (Hkv, new.capacity))
+    valid_all = jnp.concatenate([prompt, new_valid], axis=-1)[:, None, :]  # [H_kv, 1, S + N]
+    v_all = jnp.concatenate([v, new.v], axis=1)
+    scores = attention.grouped_scores(q, jnp.concatenate([k, new.k], axis=1))
+    probs = attention.masked_softmax(scores, valid_all, normalize=normalize)
+    return jnp.einsum("kgs,ksd->kgd", probs, v_all).reshape(q.shape)
+
+
 @flax.struct.dataclass
 class WorkingSet:
     """The prompt tokens decode steps attend to between two selections (temporal reuse): a

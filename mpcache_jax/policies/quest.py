@@ -23,8 +23,8 @@ import numpy as np
 from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import append_token
-from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_selected,
-                                       attend_with_new, new_region, prompt_kv)
+from mpcache_jax.policies.base import (PromptEvictionPolicy, PrunedLayer, attend_masked,
+                                       attend_selected, attend_with_new, new_region, prompt_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,10 +269,15 @@ class PageSelectionPolicy(PromptEvictionPolicy):
 
         def selecting(state):
             mask = self.select(q, state, lay)
-            onehot = P.mask_onehot(mask, lay.selected_max)                   # [H_kv, n, C]
             # initial tokens + selected pages of the middle + local tokens
-            out = attend_selected(q, state.k, state.v, state.valid, new, onehot, lay.page_size,
-                                  lay.initial, lay.initial + lay.padded, self.softmax)
+            region = (lay.initial, lay.initial + lay.padded)
+            if P.tracing_for_mpc():
+                onehot = P.mask_onehot(mask, lay.selected_max)               # [H_kv, n, C]
+                out = attend_selected(q, state.k, state.v, state.valid, new, onehot,
+                                      lay.page_size, *region, self.softmax)
+            else:
+                out = attend_masked(q, state.k, state.v, state.valid, new, mask, lay.page_size,
+                                    *region, self.softmax)
             return out, self.after_select(state, mask.astype(state.k.dtype), k_new, lay)
         if lay.full:
             return (*dense(state), carry)
