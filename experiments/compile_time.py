@@ -1,11 +1,19 @@
 """How long XLA takes to compile a model's prefill (every decoder layer, the blocked causal
 attention included, filling the KV cache) at given prompt lengths, with abstract weights (no
-checkpoint is loaded and nothing runs). Results: docs/models.md (Gemma at 32768 tokens),
-docs/results.md (compile once).
+checkpoint is loaded and nothing runs), and how much temporary memory the compiled program
+asks for. Results: docs/models.md (Gemma at 32768 tokens), docs/results.md (compile once,
+bounded memory).
 
-    mpcache compile-time [--model=gemma3-270m] [--lengths=8192,16384,32768]
+    mpcache compile-time [--model=gemma3-270m] [--lengths=8192,16384,32768] [--num_layers=N]
+        [--policy=mpcache] [--unbounded]
 
-Prints one line per length: tracing + lowering seconds, then XLA's compile seconds.
+Prints one line per length: tracing + lowering seconds, XLA's compile seconds and the
+program's temporary buffers (XLA's buffer assignment on this backend); with --policy, the
+same for that policy's compression of the prefilled cache (the prefill then also returns
+the queries). A length past the model's context stretches it (RoPE takes any position: the
+rows measure programs, not answers). --unbounded compiles with the long-prompt memory bounds
+lifted (`attention.LOOPED_SCORE_ELEMENTS`, `policies.base.VOTE_BLOCK_ELEMENTS`): the
+programs as they were before them, for comparison.
 """
 from __future__ import annotations
 
@@ -17,25 +25,50 @@ from absl import flags
 from experiments import cli
 
 
-def compile_seconds(model_name: str, length: int) -> tuple[float, float]:
-    """(trace + lower, compile) seconds of `model_name`'s prefill of `length` tokens (the
-    program `Model.prefill` runs; with the persistent compilation cache on, a second process
-    reads it from there)."""
+def compile_programs(model_name: str, length: int, num_layers: int | None = None,
+                     policy_name: str | None = None) -> list[dict]:
+    """[{program, trace_s, compile_s, temp_bytes}] for `model_name`'s prefill of `length`
+    tokens (the program `Model.prefill` runs; with the persistent compilation cache on, a
+    second process reads it from there) and, with `policy_name`, that policy's compression
+    of the prefilled cache (`runtime.generate.compress_cache`)."""
     import jax
     import jax.numpy as jnp
     from models.catalog import get_config
     from models.model import Model, _prefill
-    model = Model(get_config(model_name))
+    from mpcache_jax.policies import make_policy
+    from mpcache_jax.policy import PrefillAux
+    from runtime.generate import compress_cache
+    cfg = get_config(model_name, num_layers)
+    if cfg.max_position < length:
+        cfg = cfg.replace(max_position=length)
+    model = Model(cfg)
+    policy = make_policy(policy_name, 0.1) if policy_name else None
+    queries = bool(policy and policy.needs_queries)
     shapes = lambda tree: jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-    cache = jax.eval_shape(lambda: model.init_cache(length))
-    start = time.perf_counter()
-    lowered = _prefill.lower(model, model.param_shapes(),
-                             jax.ShapeDtypeStruct((length,), jnp.int32), shapes(cache), False,
-                             False)
-    traced = time.perf_counter() - start
-    lowered.compile()
-    return traced, time.perf_counter() - start - traced
+    cache = shapes(jax.eval_shape(lambda: model.init_cache(length)))
+    tokens = jax.ShapeDtypeStruct((length,), jnp.int32)
+    programs = [("prefill", lambda: _prefill.lower(model, model.param_shapes(), tokens, cache,
+                                                   queries, False))]
+    if policy is not None:
+        _, dense, prompt_queries = jax.eval_shape(
+            lambda p, t, c: _prefill(model, p, t, c, queries, False), model.param_shapes(),
+            tokens, cache)
+        aux = PrefillAux(queries=prompt_queries, prompt_len=length,
+                         normalized_keys=cfg.qk_norm)
+        programs.append((f"{policy.name} compress",
+                         lambda: compress_cache.lower(policy, dense, aux, 32)))
+    rows = []
+    for name, lower in programs:
+        start = time.perf_counter()
+        lowered = lower()
+        traced = time.perf_counter() - start
+        compiled = lowered.compile()
+        memory = compiled.memory_analysis()
+        rows.append({"program": name, "trace_s": traced,
+                     "compile_s": time.perf_counter() - start - traced,
+                     "temp_bytes": None if memory is None else memory.temp_size_in_bytes})
+    return rows
 
 
 def _flags() -> flags.FlagValues:
@@ -43,6 +76,12 @@ def _flags() -> flags.FlagValues:
     flags.DEFINE_string("model", "gemma3-270m", "a registered model", flag_values=fv)
     flags.DEFINE_string("lengths", "8192,16384,32768", "comma-separated prompt lengths in tokens",
                         flag_values=fv)
+    flags.DEFINE_integer("num_layers", None, "keep the model's first N decoder layers",
+                         flag_values=fv)
+    flags.DEFINE_string("policy", None, "also compile this registered policy's compression "
+                        "(budget 0.1)", flag_values=fv)
+    flags.DEFINE_bool("unbounded", False, "lift the long-prompt memory bounds (the programs "
+                      "before them)", flag_values=fv)
     return fv
 
 
@@ -50,20 +89,35 @@ def main(argv: list[str]) -> int:
     args = _flags()
     cli.parse(args, argv, __doc__)
     from models.catalog import MODEL_NAMES, get_config
+    from mpcache_jax.policies import POLICY_NAMES
     if args.model not in MODEL_NAMES:
         cli.usage_error(f"--model={args.model!r}: one of {', '.join(MODEL_NAMES)}")
+    if args.policy is not None and args.policy not in POLICY_NAMES:
+        cli.usage_error(f"--policy={args.policy!r}: one of {', '.join(POLICY_NAMES)}")
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:
         cli.usage_error(f"--lengths={args.lengths!r}: comma-separated integers")
-    context = get_config(args.model).max_position
-    for length in lengths:
-        if not 0 < length <= context:
-            cli.usage_error(f"--lengths: {length} is outside 1..{context}, {args.model}'s context")
-    for length in lengths:
-        traced, compiled = compile_seconds(args.model, length)
-        print(f"{args.model}, {length} tokens: trace + lower {traced:.1f} s, compile "
-              f"{compiled:.1f} s", flush=True)
+    if [n for n in lengths if n < 1]:
+        cli.usage_error(f"--lengths={args.lengths!r}: lengths must be >= 1")
+    layers = get_config(args.model).num_layers
+    if args.num_layers is not None and not 1 <= args.num_layers <= layers:
+        cli.usage_error(f"--num_layers={args.num_layers}: 1..{layers} for {args.model}")
+    from mpcache_jax import attention
+    from mpcache_jax.policies import base
+    bounds = attention.LOOPED_SCORE_ELEMENTS, base.VOTE_BLOCK_ELEMENTS
+    if args.unbounded:     # read at trace time; restored below for in-process callers
+        attention.LOOPED_SCORE_ELEMENTS = base.VOTE_BLOCK_ELEMENTS = 1 << 62
+    try:
+        for length in lengths:
+            for row in compile_programs(args.model, length, args.num_layers, args.policy):
+                temp = ("" if row["temp_bytes"] is None
+                        else f", temporary buffers {row['temp_bytes'] / 1e9:.2f} GB")
+                print(f"{args.model}, {length} tokens, {row['program']}: trace + lower "
+                      f"{row['trace_s']:.1f} s, compile {row['compile_s']:.1f} s{temp}",
+                      flush=True)
+    finally:
+        attention.LOOPED_SCORE_ELEMENTS, base.VOTE_BLOCK_ELEMENTS = bounds
     return 0
 
 

@@ -25,7 +25,6 @@ import dataclasses
 import math
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -91,3 +91,27 @@ def test_a_required_flag_missing_is_an_error(capsys):
     with pytest.raises(SystemExit) as stop:
         natural_tasks.main(["mpcache natural-tasks", "--num_samples=2"])
     assert stop.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_compile_time_reports_memory_for_a_policy_and_restores_the_bounds(capsys):
+    """--policy adds the compression program, each line carries its temporary buffers, a
+    length past the context stretches it, and --unbounded lifts the memory bounds for that
+    call only (the runs' programs read them at trace time)."""
+    from experiments import compile_time
+    from mpcache_jax import attention
+    from mpcache_jax.policies import base
+    bounds = attention.LOOPED_SCORE_ELEMENTS, base.VOTE_BLOCK_ELEMENTS
+    assert compile_time.main(["mpcache compile-time", "--model=llama-tiny", "--lengths=96",
+                              "--policy=mpcache_exact", "--unbounded"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(": ")[0] for line in lines] == [
+        "llama-tiny, 96 tokens, prefill", "llama-tiny, 96 tokens, mpcache_exact compress"]
+    assert all("temporary buffers" in line for line in lines)
+    assert (attention.LOOPED_SCORE_ELEMENTS, base.VOTE_BLOCK_ELEMENTS) == bounds
+    from models.catalog import get_config
+    past = get_config("llama-tiny").max_position + 8
+    rows = compile_time.compile_programs("llama-tiny", past, num_layers=1)
+    assert [r["program"] for r in rows] == ["prefill"] and rows[0]["temp_bytes"] > 0
+    with pytest.raises(SystemExit) as stop:
+        compile_time.main(["mpcache compile-time", "--model=llama-tiny", "--policy=nope"])
+    assert stop.value.code == 2 and "--policy" in capsys.readouterr().err
