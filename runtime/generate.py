@@ -124,11 +124,10 @@ def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float)
 
 
 def _loop(model, policy: AttentionPolicy, params, logits, cache, start_pos, key, stop_ids, forced,
-          steps: int, temperature: float, top_p: float, keep_logits: bool,
-          always_decode: bool = False):
-    """The decode loop of one sample (see `decode_loop`). always_decode: decode after the last
-    token too (one step more, whose results are dropped) instead of branching on `done`: in a
-    batch (vmap) that branch would become a select of two whole caches every step."""
+          steps: int, temperature: float, top_p: float, keep_logits: bool):
+    """The decode loop of one sample (see `decode_loop`). It decodes after the last token too
+    (one step more, whose results are dropped) instead of branching on `done` around the
+    step (a branch whose one side passes the whole cache through)."""
     tokens = jnp.full((steps,), -1, jnp.int32)
     rows = jnp.zeros((steps,) + logits.shape, logits.dtype) if keep_logits else None
 
@@ -142,12 +141,8 @@ def _loop(model, policy: AttentionPolicy, params, logits, cache, start_pos, key,
         stopped = (jnp.any(token == stop_ids) if forced is None and stop_ids.size
                    else jnp.zeros((), bool))
         done = stopped | (step + 1 >= steps)
-        step_fn = lambda: decode_logits(model, policy, params, token, start_pos + step, cache,
-                                        XLA_MIN_ROWS)
-        if always_decode:
-            logits, cache = step_fn()
-        else:
-            logits, cache = jax.lax.cond(done, lambda: (logits, cache), step_fn)
+        logits, cache = decode_logits(model, policy, params, token, start_pos + step, cache,
+                                      XLA_MIN_ROWS)
         return step + 1, logits, cache, key, tokens, rows, done, stopped
 
     state = (jnp.zeros((), jnp.int32), logits, cache, key, tokens, rows, jnp.zeros((), bool),
@@ -179,14 +174,14 @@ def decode_loop(model, policy: AttentionPolicy, params, logits, cache, start_pos
     start_pos: int32 [] position of the first new token; key: the sampling key (split once per
     token, as `sample_token` is called in turn); stop_ids: int32 [n] (may be empty);
     forced: int32 [steps] tokens to feed instead of sampling (teacher forcing: no stop test).
-    Each step takes a token from the current logits (or `forced`), then, unless it was a stop
-    token or the last, decodes it.
+    Each step takes a token from the current logits (or `forced`) and decodes it; the loop
+    ends after a stop token or the last step (that step's decoding is dropped).
 
     Returns (tokens int32 [steps] (-1 past the end), count int32 [], stopped bool [],
     logits of every step [steps, V] when keep_logits, else None, the final cache: returned so
     that the loop runs in the donated cache's buffers)."""
     return _loop(model, policy, _stacked_params(model, params, cache), logits, cache, start_pos, key,
-                 stop_ids, forced, steps, temperature, top_p, keep_logits, always_decode=True)
+                 stop_ids, forced, steps, temperature, top_p, keep_logits)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "policy", "steps", "keep_logits"),
@@ -222,7 +217,7 @@ def decode_loop_batch(model, policy: AttentionPolicy, params, logits, cache, sta
         n_forced = jnp.zeros((batch,), jnp.int32) if n_forced is None else n_forced
     elif n_forced is None:
         n_forced = jnp.full((batch,), steps, jnp.int32)
-    limit = jnp.full((batch,), steps, jnp.int32) if limit is None else limit
+    limit = jnp.full((batch,), steps, jnp.int32) if limit is None else jnp.minimum(limit, steps)
     decode_all = jax.vmap(
         lambda token, pos, cache: decode_logits(model, policy, params, token, pos, cache,
                                                 XLA_MIN_ROWS),

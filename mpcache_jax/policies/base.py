@@ -74,16 +74,18 @@ VOTE_BLOCK_ELEMENTS = 1 << 28
 
 def window_attention_mass(q: jax.Array, k: jax.Array, window, reduce: str = "sum",
                           extent: E.Extent | None = None, window_max: int | None = None,
-                          block_elements: int = VOTE_BLOCK_ELEMENTS) -> jax.Array:
+                          block_elements: int | None = None) -> jax.Array:
     """Attention the last `window` prompt queries give each key, summed (or maxed) over them.
 
     q: [H, T, d]; k: [H_kv, T, d] -> [H_kv, G, T] (causal within the prompt). For a bucketed
     prompt (`extent` with a runtime length) `window` is an int32 scalar <= window_max: the
     window_max queries ending at the last real token are scored and the earlier ones masked.
-    When H x rows x T exceeds `block_elements` the rows go in blocks (a `lax.scan`, the sum or
-    max carried): the same result up to float summation order, in bounded memory.
+    When H x rows x T exceeds `block_elements` (default VOTE_BLOCK_ELEMENTS) the rows go in
+    blocks (a `lax.scan`, the sum or max carried): the same result up to float summation
+    order, in bounded memory.
     """
     H, T, _ = q.shape
+    block_elements = VOTE_BLOCK_ELEMENTS if block_elements is None else block_elements
     static = extent is None or extent.static
     rows_max = window if static else window_max
     per_block = max(1, block_elements // (H * T))
