@@ -44,30 +44,30 @@ def compile_programs(model_name: str, length: int, num_layers: int | None = None
     model = Model(cfg)
     policy = make_policy(policy_name, 0.1) if policy_name else None
     queries = bool(policy and policy.needs_queries)
-    shapes = lambda tree: jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-    cache = shapes(jax.eval_shape(lambda: model.init_cache(length)))
+    cache = jax.eval_shape(lambda: model.init_cache(length))
     tokens = jax.ShapeDtypeStruct((length,), jnp.int32)
-    programs = [("prefill", lambda: _prefill.lower(model, model.param_shapes(), tokens, cache,
-                                                   queries, False))]
-    if policy is not None:
-        _, dense, prompt_queries = jax.eval_shape(
-            lambda p, t, c: _prefill(model, p, t, c, queries, False), model.param_shapes(),
-            tokens, cache)
-        aux = PrefillAux(queries=prompt_queries, prompt_len=length,
-                         normalized_keys=cfg.qk_norm)
-        programs.append((f"{policy.name} compress",
-                         lambda: compress_cache.lower(policy, dense, aux, 32)))
     rows = []
-    for name, lower in programs:
+
+    def measure(name, lower):
         start = time.perf_counter()
         lowered = lower()
         traced = time.perf_counter() - start
-        compiled = lowered.compile()
-        memory = compiled.memory_analysis()
+        memory = lowered.compile().memory_analysis()
         rows.append({"program": name, "trace_s": traced,
                      "compile_s": time.perf_counter() - start - traced,
                      "temp_bytes": None if memory is None else memory.temp_size_in_bytes})
+        return lowered
+
+    prefill = measure("prefill", lambda: _prefill.lower(model, model.param_shapes(), tokens,
+                                                        cache, queries, False))
+    if policy is not None:
+        # the compression's inputs: the prefill's outputs, as shapes (out_info)
+        _, dense, prompt_queries = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prefill.out_info,
+            is_leaf=lambda x: isinstance(x, jax.stages.OutInfo))
+        aux = PrefillAux(queries=prompt_queries, prompt_len=length,
+                         normalized_keys=cfg.qk_norm)
+        measure(f"{policy.name} compress", lambda: compress_cache.lower(policy, dense, aux, 32))
     return rows
 
 

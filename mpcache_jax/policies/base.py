@@ -281,12 +281,7 @@ def attend_masked(q, k, v, valid, new: LayerKV, mask, cluster_size: int, start: 
     picked = jnp.repeat(mask > 0, cluster_size, axis=-1)                  # [H_kv, stop - start]
     prompt = jnp.concatenate([valid[:, :start], valid[:, start:stop] & picked,
                               valid[:, stop:]], axis=-1)
-    new_valid = jnp.broadcast_to(new.valid() > 0.5, (Hkv, new.capacity))
-    valid_all = jnp.concatenate([prompt, new_valid], axis=-1)[:, None, :]  # [H_kv, 1, S + N]
-    v_all = jnp.concatenate([v, new.v], axis=1)
-    scores = attention.grouped_scores(q, jnp.concatenate([k, new.k], axis=1))
-    probs = attention.masked_softmax(scores, valid_all, normalize=normalize)
-    return jnp.einsum("kgs,ksd->kgd", probs, v_all).reshape(q.shape)
+    return attend_with_new(q, k, v, prompt.astype(k.dtype), new, normalize)
 
 
 @flax.struct.dataclass
