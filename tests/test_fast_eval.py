@@ -43,6 +43,33 @@ def _host_loop(model, params, logits, cache, policy, start, steps, sampling, sto
     return tokens, np.stack(rows)
 
 
+def _fed_then_greedy(model, params, logits, cache, policy, start, fed, n_forced, limit,
+                     stop_id=None):
+    """Host mirror of a batch loop's sample: `fed` tokens for the first n_forced steps, then
+    greedy, `limit` steps, a stop token ending a free step -> (tokens, logits rows, stopped)."""
+    tokens, rows = [], []
+    for step in range(limit):
+        rows.append(np.asarray(logits))
+        free = step >= n_forced
+        token = int(jnp.argmax(logits)) if free else int(fed[step])
+        tokens.append(token)
+        if free and token == stop_id:
+            return tokens, np.stack(rows), True
+        logits, cache = model.decode_step(params, token, start + step, cache, policy)
+    return tokens, np.stack(rows), False
+
+
+def _bucketed_batch(model, params, policy, rng, lengths, bucket, steps):
+    """Prompts of `lengths` random tokens prefilled into `bucket` and compressed as one batch
+    -> (prompts, per-sample prefill outputs, the batch's cache)."""
+    from runtime.generate import compress_batch
+    prompts = [list(rng.randint(0, 256, n)) for n in lengths]
+    outs = [prefill_prompt(model, params, p, steps, False, bucket=bucket) for p in prompts]
+    cache = compress_batch(policy, stack_samples([o[1] for o in outs]),
+                           stack_samples([o[2] for o in outs]), steps)
+    return prompts, outs, cache
+
+
 @pytest.mark.parametrize("name", ["full", "mpcache", "h2o", "quest"])
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
 def test_device_loop_equals_the_host_loop(tiny, name, temperature):
@@ -100,14 +127,11 @@ def test_a_batch_decodes_as_its_samples_one_by_one(tiny):
     together) give each sample's own tokens and logits."""
     model, params = tiny
     rng = np.random.RandomState(2)
-    prompts = [list(rng.randint(0, 256, n)) for n in (98, 101, 128)]
     policy = make_policy("mpcache", 0.4)
-    bucket, steps = (97, 128), 8
-    outs = [prefill_prompt(model, params, p, steps, False, bucket=bucket) for p in prompts]
+    steps = 8
+    prompts, outs, cache = _bucketed_batch(model, params, policy, rng, (98, 101, 128),
+                                           (97, 128), steps)
     logits = jnp.stack([o[0] for o in outs])
-    from runtime.generate import compress_batch
-    cache = compress_batch(policy, stack_samples([o[1] for o in outs]),
-                           stack_samples([o[2] for o in outs]), steps)
     start = jnp.asarray([len(p) for p in prompts], jnp.int32)
     stop = jnp.zeros((0,), jnp.int32)
     forced = jnp.asarray(rng.randint(0, 256, (3, steps)), jnp.int32)
@@ -122,15 +146,10 @@ def test_a_batch_decodes_as_its_samples_one_by_one(tiny):
                                      SamplingConfig())
         assert [int(t) for t in np.asarray(tokens[i, :counts[i]])] == want
         np.testing.assert_allclose(np.asarray(rows[i]), want_rows, atol=1e-5)
-        single = apply_policy(policy, dense, aux, steps)
-        feed = [int(t) for t in np.asarray(forced[i])]
-        want_forced = [np.asarray(first)]
-        logits_i = first
-        for step, token in enumerate(feed[:-1]):
-            logits_i, single = model.decode_step(params, token, len(prompt) + step, single,
-                                                 policy)
-            want_forced.append(np.asarray(logits_i))
-        np.testing.assert_allclose(np.asarray(forced_rows[i]), np.stack(want_forced), atol=1e-5)
+        _, want_forced, _ = _fed_then_greedy(model, params, first,
+                                             apply_policy(policy, dense, aux, steps), policy,
+                                             len(prompt), np.asarray(forced[i]), steps, steps)
+        np.testing.assert_allclose(np.asarray(forced_rows[i]), want_forced, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(take_sample(stack_samples([o[2] for o in outs]),
                                                          1).length), 101)
 
@@ -141,13 +160,10 @@ def test_one_batch_mixes_forced_steps_limits_and_stops(tiny):
     past its end, in one program for all three settings."""
     model, params = tiny
     rng = np.random.RandomState(5)
-    prompts = [list(rng.randint(0, 256, n)) for n in (110, 120, 128)]
     policy = make_policy("mpcache", 0.4)
-    bucket, steps = (97, 128), 8
-    outs = [prefill_prompt(model, params, p, steps, False, bucket=bucket) for p in prompts]
-    from runtime.generate import compress_batch
-    cache = compress_batch(policy, stack_samples([o[1] for o in outs]),
-                           stack_samples([o[2] for o in outs]), steps)
+    steps = 8
+    prompts, outs, cache = _bucketed_batch(model, params, policy, rng, (110, 120, 128),
+                                           (97, 128), steps)
     free_tokens, _ = _host_loop(model, params, outs[2][0],
                                 apply_policy(policy, outs[2][1], outs[2][2], steps), policy,
                                 len(prompts[2]), steps, SamplingConfig())
@@ -163,23 +179,13 @@ def test_one_batch_mixes_forced_steps_limits_and_stops(tiny):
         n_forced, limit, steps=steps, keep_logits=True)
     ends = []
     for i, (prompt, (logits, dense, aux)) in enumerate(zip(prompts, outs)):
-        single = apply_policy(policy, dense, aux, steps)
-        want, want_rows, hit_stop = [], [], False
-        for step in range(int(limit[i])):
-            want_rows.append(np.asarray(logits))
-            free = step >= int(n_forced[i])
-            token = int(jnp.argmax(logits)) if free else int(forced[i, step])
-            want.append(token)
-            if free and token == int(stop[0]):
-                hit_stop = True
-                break
-            logits, single = model.decode_step(params, token, len(prompt) + step, single,
-                                               policy)
+        want, want_rows, hit_stop = _fed_then_greedy(
+            model, params, logits, apply_policy(policy, dense, aux, steps), policy, len(prompt),
+            np.asarray(forced[i]), int(n_forced[i]), int(limit[i]), int(stop[0]))
         got = [int(t) for t in np.asarray(tokens[i])]
         assert got == want + [-1] * (steps - len(want)), i
         assert int(counts[i]) == len(want)
-        np.testing.assert_allclose(np.asarray(rows[i, :len(want)]), np.stack(want_rows),
-                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(rows[i, :len(want)]), want_rows, atol=1e-5)
         assert not np.asarray(rows[i, len(want):]).any()
         assert bool(stopped[i]) == hit_stop
         ends.append("stop" if hit_stop else len(want))
