@@ -12,17 +12,38 @@ program's temporary buffers (XLA's buffer assignment on this backend); with --po
 same for that policy's compression of the prefilled cache (the prefill then also returns
 the queries). A length past the model's context stretches it (RoPE takes any position: the
 rows measure programs, not answers). --unbounded compiles with the long-prompt memory bounds
-lifted (`attention.LOOPED_SCORE_ELEMENTS`, `policies.base.VOTE_BLOCK_ELEMENTS`): the
-programs as they were before them, for comparison.
+lifted (`attention.LOOPED_SCORE_ELEMENTS`, `attention.TILED_MIN_TOKENS`,
+`policies.base.VOTE_BLOCK_ELEMENTS`): the programs as they were before them, for comparison.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
 from absl import flags
 
 from experiments import cli
+
+
+@contextlib.contextmanager
+def lifted_memory_bounds(lift: bool = True):
+    """Inside: programs traced as before the long-prompt memory bounds (the plaintext tiled
+    prefill, the loop of very long prompts' query blocks, the look-once vote's row blocks).
+    The bounds are module values read at trace time; restored on exit for in-process
+    callers. `lift=False`: no change."""
+    from mpcache_jax import attention
+    from mpcache_jax.policies import base
+    bounds = (attention.LOOPED_SCORE_ELEMENTS, attention.TILED_MIN_TOKENS,
+              base.VOTE_BLOCK_ELEMENTS)
+    if lift:
+        (attention.LOOPED_SCORE_ELEMENTS, attention.TILED_MIN_TOKENS,
+         base.VOTE_BLOCK_ELEMENTS) = (1 << 62,) * 3
+    try:
+        yield
+    finally:
+        (attention.LOOPED_SCORE_ELEMENTS, attention.TILED_MIN_TOKENS,
+         base.VOTE_BLOCK_ELEMENTS) = bounds
 
 
 def compile_programs(model_name: str, length: int, num_layers: int | None = None,
@@ -103,12 +124,7 @@ def main(argv: list[str]) -> int:
     layers = get_config(args.model).num_layers
     if args.num_layers is not None and not 1 <= args.num_layers <= layers:
         cli.usage_error(f"--num_layers={args.num_layers}: 1..{layers} for {args.model}")
-    from mpcache_jax import attention
-    from mpcache_jax.policies import base
-    bounds = attention.LOOPED_SCORE_ELEMENTS, base.VOTE_BLOCK_ELEMENTS
-    if args.unbounded:     # read at trace time; restored below for in-process callers
-        attention.LOOPED_SCORE_ELEMENTS = base.VOTE_BLOCK_ELEMENTS = 1 << 62
-    try:
+    with lifted_memory_bounds(args.unbounded):
         for length in lengths:
             for row in compile_programs(args.model, length, args.num_layers, args.policy):
                 temp = ("" if row["temp_bytes"] is None
@@ -116,8 +132,6 @@ def main(argv: list[str]) -> int:
                 print(f"{args.model}, {length} tokens, {row['program']}: trace + lower "
                       f"{row['trace_s']:.1f} s, compile {row['compile_s']:.1f} s{temp}",
                       flush=True)
-    finally:
-        attention.LOOPED_SCORE_ELEMENTS, base.VOTE_BLOCK_ELEMENTS = bounds
     return 0
 
 

@@ -4,7 +4,7 @@ logits' largest difference from the same program on the CPU.
 
     mpcache device-check [--models=llama2-d1024,smollm2-135m,gemma3-270m]
         [--lengths=8192,32768] [--new_tokens=32] [--cpu_layers=2] [--host_loop]
-        [--phases=time,compare] [--out=DIR]
+        [--phases=time,compare] [--unbounded] [--out=DIR]
 
 Weights: the registered model's real ones when its files are in the cache (no download is
 attempted), else random weights of the real geometry (kernels N(0, 1/fan_in), so activations
@@ -16,7 +16,9 @@ prefill logits and every decode step's. Without an accelerator the CPU rows are 
 the comparison is skipped. Writes DIR/device_check.jsonl (one record per model, length and
 policy). --phases=compare runs only the comparisons. --host_loop also times the per-token host
 loop (one `Model.decode_step` call and one read of the token per step) beside the device
-loop. Uses no SPU: it runs on a current JAX (scripts/xla_env.sh).
+loop. --unbounded runs the programs as before the long-prompt memory bounds (the prefill's
+blocks unrolled, not tiled; `compile-time --unbounded`), for comparison. Uses no SPU: it
+runs on a current JAX (scripts/xla_env.sh).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import time
 from absl import flags
 
 from experiments import cli
+from experiments.compile_time import lifted_memory_bounds
 
 
 def random_params(model, seed: int):
@@ -160,6 +163,8 @@ def _flags() -> flags.FlagValues:
                       "(Model.decode_step)", flag_values=fv)
     flags.DEFINE_string("phases", "time,compare", "time: the timing rows; compare: the CPU "
                         "comparisons", flag_values=fv)
+    flags.DEFINE_bool("unbounded", False, "lift the long-prompt memory bounds (the programs "
+                      "before them, as compile-time --unbounded)", flag_values=fv)
     flags.DEFINE_integer("seed", 0, "random weights' and prompts' seed", flag_values=fv)
     flags.DEFINE_string("out", "results/device_check", "output folder", flag_values=fv)
     return fv
@@ -232,27 +237,29 @@ def main(argv: list[str]) -> int:
         record = {"phase": phase, "model": name, "weights": weights, "prompt_tokens": length,
                   "policy": policy_name, "budget": args.budget, "new_tokens": args.new_tokens,
                   "device": device.device_kind, "platform": device.platform,
-                  "jax": jax.__version__}
+                  "jax": jax.__version__, "unbounded": args.unbounded}
         try:
-            if phase == "time":
-                prefill_s, tok_s, _, _, _ = run_once(model, params, prompt, policy,
-                                                     args.new_tokens, device)
-                record.update(prefill_s=round(prefill_s, 3), decode_tokens_per_s=round(tok_s, 2),
-                              peak_device_bytes=peak_bytes(device))
-                if args.host_loop:
-                    record["host_loop_tokens_per_s"] = round(host_loop_tokens_per_s(
-                        model, params, prompt, policy, args.new_tokens, device), 2)
-            else:
-                small, small_params = truncated(model, params, args.cpu_layers)
-                got = run_once(small, small_params, prompt, policy, args.new_tokens, device)
-                want = run_once(small, small_params, prompt, policy, args.new_tokens, cpu,
-                                repeats=1)
-                record.update(
-                    cpu_layers=small.cfg.num_layers,
-                    max_abs_logit_diff_prefill=float(np.max(np.abs(got[2] - want[2]))),
-                    max_abs_logit_diff_decode=float(np.max(np.abs(got[3] - want[3]))),
-                    logit_scale=float(np.std(want[3])),
-                    same_tokens=bool(np.array_equal(got[4], want[4])))
+            with lifted_memory_bounds(args.unbounded):
+                if phase == "time":
+                    prefill_s, tok_s, _, _, _ = run_once(model, params, prompt, policy,
+                                                         args.new_tokens, device)
+                    record.update(prefill_s=round(prefill_s, 3),
+                                  decode_tokens_per_s=round(tok_s, 2),
+                                  peak_device_bytes=peak_bytes(device))
+                    if args.host_loop:
+                        record["host_loop_tokens_per_s"] = round(host_loop_tokens_per_s(
+                            model, params, prompt, policy, args.new_tokens, device), 2)
+                else:
+                    small, small_params = truncated(model, params, args.cpu_layers)
+                    got = run_once(small, small_params, prompt, policy, args.new_tokens, device)
+                    want = run_once(small, small_params, prompt, policy, args.new_tokens, cpu,
+                                    repeats=1)
+                    record.update(
+                        cpu_layers=small.cfg.num_layers,
+                        max_abs_logit_diff_prefill=float(np.max(np.abs(got[2] - want[2]))),
+                        max_abs_logit_diff_decode=float(np.max(np.abs(got[3] - want[3]))),
+                        logit_scale=float(np.std(want[3])),
+                        same_tokens=bool(np.array_equal(got[4], want[4])))
         except Exception as err:   # a row that fails (memory) is recorded, not fatal
             record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         emit(record)

@@ -11,6 +11,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mpcache_jax import primitives as P
+
 # Logit given to masked slots after max-subtraction: exp(-100) is 0 in float32 after the
 # multiplication by the mask, and is a value SPU's fixed-point exp handles.
 MASK_LOGIT = -100.0
@@ -105,6 +107,13 @@ PREFILL_BLOCK = 256
 # Above this many causal score elements (float32: 16 GiB) a prompt's unwindowed blocks run as
 # one loop over full-width key rows instead of unrolled triangle blocks (see causal_attention).
 LOOPED_SCORE_ELEMENTS = 1 << 32
+# Plaintext (XLA) prompts longer than this, without a window, attend in tiles with an online
+# softmax (see _tiled_causal_attention).
+TILED_MIN_TOKENS = 2 * PREFILL_BLOCK
+# Tiles (query rows, keys): on a CPU small enough for a tile's scores to stay in its cache; on
+# an accelerator few and large, since each tile costs a handful of kernel launches.
+CPU_TILE = (256, 256)
+ACCELERATOR_TILE = (2048, 2048)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -125,13 +134,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     (block + window - 1), and run as one loop body (`lax.map` over their public start rows)
     instead of one unrolled copy each: the same arithmetic on the same shapes, compiled once.
     Inside a whole model XLA may fuse it differently than the unrolled blocks (float noise).
-    Without a window, past LOOPED_SCORE_ELEMENTS causal scores (H x T x T / 2: llama2-d1024 from
-    16k tokens, not Gemma's 4 heads at 32k), the blocks run as one loop over full-width keys
-    (`_looped_causal_attention`): memory bounded on any XLA backend, at twice the score work.
+    In plaintext (XLA, not `P.tracing_for_mpc()`) a prompt of more than TILED_MIN_TOKENS
+    without a window goes through `_tiled_causal_attention` instead: the same causal triangle
+    in tiles (CPU_TILE, ACCELERATOR_TILE), no block's scores held whole. Under MPC, past
+    LOOPED_SCORE_ELEMENTS causal scores (H x T x T / 2: llama2-d1024 from 16k tokens), the
+    blocks run as one loop over full-width keys (`_looped_causal_attention`), memory bounded
+    at twice the score work.
     """
     H, T, d = q.shape
     block = T if block is None else min(block, T)
     starts = range(0, T, block)
+    if window is None and not P.tracing_for_mpc() and T > TILED_MIN_TOKENS:
+        rows, keys = CPU_TILE if _compiling_for_cpu() else ACCELERATOR_TILE
+        return _tiled_causal_attention(q, k, v, min(rows, T), min(keys, T))
     if window is None and H * T * (T + block) // 2 > LOOPED_SCORE_ELEMENTS:
         return _looped_causal_attention(q, k, v, block)
 
@@ -178,6 +193,70 @@ def _looped_causal_attention(q, k, v, block: int) -> jax.Array:
     out = jnp.moveaxis(jax.lax.map(one, jnp.asarray(starts, jnp.int32)), 0, 1)  # [H, n, b, d]
     head = out[:, :n - 1].reshape(H, (n - 1) * block, d)
     return jnp.concatenate([head, out[:, n - 1, (n - 1) * block - starts[-1]:]], axis=1)
+
+
+def _compiling_for_cpu() -> bool:
+    """Whether the program being traced runs on a CPU: `jax.default_device`'s platform where
+    one is set (a CPU run inside a GPU process), else the default backend's."""
+    device = jax.config.jax_default_device
+    platform = device if isinstance(device, str) else getattr(device, "platform", None)
+    return (platform or jax.default_backend()) == "cpu"
+
+
+def _tiled_causal_attention(q, k, v, q_block: int, k_block: int) -> jax.Array:
+    """causal_attention in plaintext: tiles of q_block query rows x k_block keys with an online
+    softmax (a running row max, sum and weighted values, rescaled when the max grows), each
+    query block visiting only the key blocks up to its last row. A tile's scores
+    (H x q_block x k_block floats) stay in the processor's cache, where whole-width blocks
+    stream theirs through memory several times (row max, exp, sum, products): on 2 CPU cores
+    ~1.4x faster at 8192 tokens (SmolLM2's heads), memory bounded at any length, the
+    triangle's score work only.
+    Not for MPC: the running max would add a comparison round and a reciprocal per tile.
+    Equal to the blocked softmax up to float summation order.
+
+    q: [H, T, d]; k, v: [H_kv, T, d] -> [H, T, d]. Rows and keys past T (padding to whole
+    tiles) are masked or dropped.
+    """
+    H, T, d = q.shape
+    Hkv = k.shape[0]
+    G = H // Hkv
+    rows_total = -(-T // q_block) * q_block
+    keys_total = -(-T // k_block) * k_block
+    qg = q.reshape(Hkv, G, T, d) * (1.0 / math.sqrt(d))
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_total - T), (0, 0)))
+    k = jnp.pad(k, ((0, 0), (0, keys_total - T), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, keys_total - T), (0, 0)))
+
+    def query_block(start):                    # start: int32 [] (public)
+        qb = jax.lax.dynamic_slice_in_dim(qg, start, q_block, axis=2)   # [H_kv, G, rows, d]
+        rows = start + jnp.arange(q_block)
+
+        def key_block(j, carry):
+            row_max, row_sum, acc = carry
+            kb = jax.lax.dynamic_slice_in_dim(k, j * k_block, k_block, axis=1)
+            vb = jax.lax.dynamic_slice_in_dim(v, j * k_block, k_block, axis=1)
+            scores = jnp.einsum("kgtd,ksd->kgts", qb, kb)
+            keys = j * k_block + jnp.arange(k_block)
+            scores = jnp.where(keys[None, :] <= rows[:, None], scores, MAX_FILL_TILE)
+            new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+            weights = jnp.exp(scores - new_max[..., None])
+            rescale = jnp.exp(row_max - new_max)
+            return (new_max, row_sum * rescale + jnp.sum(weights, axis=-1),
+                    acc * rescale[..., None] + jnp.einsum("kgts,ksd->kgtd", weights, vb))
+        # Key block 0 holds every row's first key, so after it each row's max is a real score
+        # and a masked entry's weight is exp(MAX_FILL_TILE - max) = 0.
+        init = (jnp.full((Hkv, G, q_block), MAX_FILL_TILE, q.dtype),
+                jnp.zeros((Hkv, G, q_block), q.dtype), jnp.zeros((Hkv, G, q_block, d), q.dtype))
+        n_keys = (start + q_block + k_block - 1) // k_block
+        _, row_sum, acc = jax.lax.fori_loop(0, n_keys, key_block, init)
+        return acc / row_sum[..., None]
+
+    out = jax.lax.map(query_block, jnp.arange(0, rows_total, q_block, dtype=jnp.int32))
+    return jnp.moveaxis(out, 0, 2).reshape(H, rows_total, d)[:, :T]
+
+
+# Masked scores in _tiled_causal_attention (plaintext only: never reaches SPU's exp).
+MAX_FILL_TILE = -1e30
 
 
 def _attention_block(q, k, v, start, first, window):

@@ -100,14 +100,16 @@ def test_compile_time_reports_memory_for_a_policy_and_restores_the_bounds(capsys
     from experiments import compile_time
     from mpcache_jax import attention
     from mpcache_jax.policies import base
-    bounds = attention.LOOPED_SCORE_ELEMENTS, base.VOTE_BLOCK_ELEMENTS
+    bounds = (attention.LOOPED_SCORE_ELEMENTS, attention.TILED_MIN_TOKENS,
+              base.VOTE_BLOCK_ELEMENTS)
     assert compile_time.main(["mpcache compile-time", "--model=llama-tiny", "--lengths=96",
                               "--policy=mpcache_exact", "--unbounded"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split(": ")[0] for line in lines] == [
         "llama-tiny, 96 tokens, prefill", "llama-tiny, 96 tokens, mpcache_exact compress"]
     assert all("temporary buffers" in line for line in lines)
-    assert (attention.LOOPED_SCORE_ELEMENTS, base.VOTE_BLOCK_ELEMENTS) == bounds
+    assert (attention.LOOPED_SCORE_ELEMENTS, attention.TILED_MIN_TOKENS,
+            base.VOTE_BLOCK_ELEMENTS) == bounds
     from models.catalog import get_config
     past = get_config("llama-tiny").max_position + 8
     rows = compile_time.compile_programs("llama-tiny", past, num_layers=1)

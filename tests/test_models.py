@@ -54,17 +54,23 @@ def _max_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 
 
-@pytest.fixture(params=[None, 4, "looped"],
-                ids=["prefill_block_default", "prefill_block_4", "prefill_blocks_looped"])
+@pytest.fixture(params=[None, 4, "looped", "tiled"],
+                ids=["prefill_block_default", "prefill_block_4", "prefill_blocks_looped",
+                     "prefill_tiled"])
 def prefill_block(request, monkeypatch):
     """Prefill and forward attention in query blocks of 4 rows (attention.causal_attention):
-    several blocks at these lengths, unrolled or as the loop of very long prompts, checked
-    against decode steps, which never use blocks."""
+    several blocks at these lengths, unrolled, as the loop of very long prompts, or as the
+    plaintext tiles of 4 queries x 8 keys with an online softmax, checked against decode
+    steps, which never use blocks."""
     from mpcache_jax import attention
     if request.param is not None:
         monkeypatch.setattr(attention, "PREFILL_BLOCK", 4)
     if request.param == "looped":
         monkeypatch.setattr(attention, "LOOPED_SCORE_ELEMENTS", 0)
+        monkeypatch.setattr(attention, "TILED_MIN_TOKENS", 1 << 62)
+    if request.param == "tiled":
+        monkeypatch.setattr(attention, "TILED_MIN_TOKENS", 0)
+        monkeypatch.setattr(attention, "CPU_TILE", (4, 8))
     jax.clear_caches()   # the block size is read at trace time
     yield request.param
     jax.clear_caches()

@@ -249,6 +249,37 @@ def test_reduce_max_pads_to_a_power_of_two_only_where_that_saves_rounds(n):
     assert attention.max_rounds(213) == 11 and attention.max_rounds(1) == 0
 
 
+@pytest.mark.parametrize("tiles", [(64, 64), (40, 100), (128, 24), (300, 300)])
+def test_tiled_causal_attention_equals_the_blocks_and_is_plaintext_only(tiles, monkeypatch):
+    """The plaintext prefill's tiles with an online softmax (whole and partial tiles, more
+    query rows than keys per tile and the reverse, one tile for everything) give the blocked
+    softmax's output up to float rounding, also for sharp rows where the running max moves
+    many times; a program traced for MPC keeps the unrolled blocks (no loop in its jaxpr)."""
+    from mpcache_jax import attention
+    rng = np.random.RandomState(sum(tiles))
+    T = 300
+    q = jnp.asarray(rng.randn(6, T, 16).astype(np.float32) * 3)
+    k = jnp.asarray(rng.randn(2, T, 16).astype(np.float32) * 3)
+    v = jnp.asarray(rng.randn(2, T, 16).astype(np.float32))
+    monkeypatch.setattr(attention, "TILED_MIN_TOKENS", 1 << 62)
+    blocks = np.asarray(attention.causal_attention(q, k, v, block=32))
+    got = np.asarray(jax.jit(lambda q, k, v: attention._tiled_causal_attention(
+        q, k, v, *tiles))(q, k, v))
+    np.testing.assert_allclose(got, blocks, atol=2e-5, rtol=0)
+    assert np.abs(blocks[:, 1:] - blocks[:, :-1]).max() > 1.0     # rows differ: not trivial
+    np.testing.assert_allclose(got[:, 0], np.repeat(np.asarray(v)[:, 0], 3, axis=0), atol=1e-6)
+    monkeypatch.setattr(attention, "TILED_MIN_TOKENS", 64)
+    monkeypatch.setattr(attention, "CPU_TILE", tiles)
+    np.testing.assert_array_equal(np.asarray(jax.jit(
+        lambda q, k, v: attention.causal_attention(q, k, v, block=32))(q, k, v)), got)
+    loops = lambda: [e.primitive.name for e in jax.make_jaxpr(
+        lambda q, k, v: attention.causal_attention(q, k, v, block=32))(q, k, v).jaxpr.eqns
+        if e.primitive.name in ("while", "scan")]
+    assert loops() != []
+    with P.secure_trace():
+        assert loops() == []
+
+
 @pytest.mark.parametrize("loop", [False, True])
 def test_plaintext_gathers_by_index_equal_the_secure_one_hot_products_bit_for_bit(loop):
     """gather_rows / chain_pick / chain_put take rows by index in plaintext programs and multiply
