@@ -114,6 +114,8 @@ TILED_MIN_TOKENS = 2 * PREFILL_BLOCK
 # an accelerator few and large, since each tile costs a handful of kernel launches.
 CPU_TILE = (256, 256)
 ACCELERATOR_TILE = (2048, 2048)
+# Masked scores in a tile (plaintext only: never reaches SPU's exp).
+MAX_FILL_TILE = -1e30
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -247,16 +249,12 @@ def _tiled_causal_attention(q, k, v, q_block: int, k_block: int) -> jax.Array:
         # and a masked entry's weight is exp(MAX_FILL_TILE - max) = 0.
         init = (jnp.full((Hkv, G, q_block), MAX_FILL_TILE, q.dtype),
                 jnp.zeros((Hkv, G, q_block), q.dtype), jnp.zeros((Hkv, G, q_block, d), q.dtype))
-        n_keys = (start + q_block + k_block - 1) // k_block
+        n_keys = jnp.minimum((start + q_block + k_block - 1) // k_block, keys_total // k_block)
         _, row_sum, acc = jax.lax.fori_loop(0, n_keys, key_block, init)
         return acc / row_sum[..., None]
 
     out = jax.lax.map(query_block, jnp.arange(0, rows_total, q_block, dtype=jnp.int32))
     return jnp.moveaxis(out, 0, 2).reshape(H, rows_total, d)[:, :T]
-
-
-# Masked scores in _tiled_causal_attention (plaintext only: never reaches SPU's exp).
-MAX_FILL_TILE = -1e30
 
 
 def _attention_block(q, k, v, start, first, window):
