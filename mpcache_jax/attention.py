@@ -69,17 +69,21 @@ def masked_softmax(scores: jax.Array, valid: jax.Array, axis: int = -1,
     return weights * (1.0 / denom)
 
 
+def grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q / sqrt(d) with the query heads grouped by KV head (GQA): q: [H, ...d] ->
+    [H_kv, G, ...d], G = H // H_kv consecutive query heads sharing a KV head. Scaling q rather
+    than the scores: under MPC one truncation per query entry instead of one per score."""
+    return (q.reshape((kv_heads, q.shape[0] // kv_heads) + q.shape[1:])
+            * (1.0 / math.sqrt(q.shape[-1])))
+
+
 def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """Scaled dot products q . k / sqrt(d), with the query heads grouped by KV head (GQA).
 
     q: [H, d] or [H, T, d]; k: [H_kv, S, d] -> [H_kv, G, S] or [H_kv, G, T, S], where
     G = H // H_kv consecutive query heads share a KV head.
     """
-    Hkv = k.shape[0]
-    # Scaling q rather than the scores: under MPC one truncation per query entry instead of
-    # one per score.
-    qg = q.reshape((Hkv, q.shape[0] // Hkv) + q.shape[1:]) * (1.0 / math.sqrt(q.shape[-1]))
-    return jnp.einsum("kg...d,ksd->kg...s", qg, k)
+    return jnp.einsum("kg...d,ksd->kg...s", grouped_queries(q, k.shape[0]), k)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
@@ -224,8 +228,7 @@ def _tiled_causal_attention(q, k, v, q_block: int, k_block: int) -> jax.Array:
     G = H // Hkv
     rows_total = -(-T // q_block) * q_block
     keys_total = -(-T // k_block) * k_block
-    qg = q.reshape(Hkv, G, T, d) * (1.0 / math.sqrt(d))
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_total - T), (0, 0)))
+    qg = jnp.pad(grouped_queries(q, Hkv), ((0, 0), (0, 0), (0, rows_total - T), (0, 0)))
     k = jnp.pad(k, ((0, 0), (0, keys_total - T), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, keys_total - T), (0, 0)))
 

@@ -480,7 +480,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         [R, C, r]."""
         Hkv, d = state.kv_heads
         G = q.shape[0] // Hkv
-        qg = q.reshape(Hkv, G, d) * (1.0 / math.sqrt(d))
+        qg = attention.grouped_queries(q, Hkv)
         per_layer = self.scope_for(Hkv) == "layer"
         if state.score == "mean":
             # linear in q: the group's queries are summed first, one product with the digests
