@@ -167,23 +167,25 @@ def test_attention_equals_attending_to_the_gathered_tokens():
         np.testing.assert_allclose(np.asarray(out), np.concatenate(want), atol=1e-5)
 
 
-def test_between_refreshes_the_working_set_stays():
+@pytest.mark.parametrize("dense_steps", [0, 4])
+def test_between_refreshes_the_working_set_stays(dense_steps):
     """refresh_every=3: steps 0, 3, 6 select (whatever the query), the others keep the last
-    working set even when their query would choose differently."""
+    working set even when their query would choose differently; with dense_steps=4 the
+    steps 0-3 all select, then 6 and 9."""
     policy = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
-                         refresh_every=3)
+                         refresh_every=3, dense_steps=dense_steps)
     state, k, v = _layer(policy, 70, 8)
     rng = np.random.RandomState(3)
     picks, working = [], []
-    for step in range(7):
+    for step in range(10):
         q = rng.randn(4, k.shape[-1]).astype(np.float32) * 3
         _, state, _ = policy.attend(0, jnp.asarray(q), jnp.zeros((2, 8)), jnp.zeros((2, 8)),
                                     state, None)
         picks.append(np.asarray(state.picked))
         working.append(np.asarray(state.working_k))
-    for step in range(1, 7):
+    for step in range(1, 10):
         same = np.array_equal(working[step], working[step - 1])
-        assert same == (step % 3 != 0), step
+        assert same == (step % 3 != 0 and step >= dense_steps), step
     assert not all(np.array_equal(picks[0], p) for p in picks[3::3])
 
 
@@ -193,7 +195,7 @@ def test_staggered_layers_take_turns(traced_layer):
     the steps where step + l is a multiple of 3 (a traced layer index, as inside the model's
     layer loop, the same)."""
     policy = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
-                         refresh_every=3, stagger_layers=True)
+                         refresh_every=3, stagger_layers=True, dense_steps=0)
     attend = jax.jit(policy.attend) if traced_layer else policy.attend
     rng = np.random.RandomState(5)
     for layer in range(3):
@@ -219,9 +221,9 @@ def test_shared_layers_gather_their_own_keys_at_the_selecting_layers_picks(refre
     picks of the layer before (per KV head) whatever their query, and gather their own keys
     and values there; between refreshes every layer keeps its working set."""
     policy = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
-                         refresh_every=refresh_every, share_layers=2)
+                         refresh_every=refresh_every, dense_steps=0, share_layers=2)
     alone = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
-                        refresh_every=refresh_every)
+                        refresh_every=refresh_every, dense_steps=0)
     rng = np.random.RandomState(11)
     layers = [_layer(policy, 70, 8, seed=layer) for layer in range(4)]
     states = [s for s, _, _ in layers]
@@ -256,6 +258,8 @@ def test_shared_layers_gather_their_own_keys_at_the_selecting_layers_picks(refre
 def test_bad_settings_and_buckets_are_refused_with_the_setting_named():
     with pytest.raises(ValueError, match="refresh_every=0 must be an integer >= 1"):
         make_policy("mpcache", 0.1, refresh_every=0)
+    with pytest.raises(ValueError, match="dense_steps=-1 must be an integer >= 0"):
+        make_policy("mpcache", 0.1, dense_steps=-1)
     with pytest.raises(ValueError, match="share_layers=0 must be an integer >= 1"):
         make_policy("mpcache", 0.1, share_layers=0)
     with pytest.raises(ValueError, match="stagger_layers=True gives each layer its own"):

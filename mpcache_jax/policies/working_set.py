@@ -9,8 +9,9 @@ default's cost"). A decode step attends to
 - the prompt's first cluster (attention sinks) and its last tokens (the recent window) sit at
   public positions: they are read in place, never gathered;
 - the working set holds the clusters a selection chose, gathered into a compact buffer with
-  one-hot products. Selection happens on a public schedule (`refresh_every` decode steps, the
-  first decode step always): the steps between attend to the gathered buffer as it is;
+  one-hot products. Selection happens on a public schedule (each of the first `dense_steps`
+  decode steps, then every `refresh_every`-th): the steps between attend to the gathered
+  buffer as it is;
 - a selection scores every middle cluster, ranks them and gathers the chosen clusters' keys
   and values. The middle clusters are dealt round robin into S stripes (cluster j to stripe
   j mod S) and each stripe keeps its best m: the gather's one-hot products then cost m x T x
@@ -215,6 +216,11 @@ class WorkingSetMPCache(PromptEvictionPolicy):
       1 / refresh_every of the layers' selections instead of all of them every
       refresh_every-th step (the same mean cost, a flat per-step cost), and at every step
       some layers attend to a selection made for this step's own query.
+    dense_steps: the first this many decode steps all select, then every `refresh_every`-th
+      step (public, like the period). The first steps write a question's answer, and the
+      tokens they write are attended by every later step: they get selections made for their
+      own queries. 8 with refresh_every=3 selects at 16 of 32 steps, as refresh_every=2 does,
+      13 of 24, 27 of 64.
     cluster_size: tokens per cluster; 0 = the geometry length / `candidates` (bounded number
       of candidates: the cluster grows with the prompt), within [4, 256].
     candidates: clusters a prompt of the geometry length is cut into (cluster_size=0).
@@ -261,8 +267,9 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     name: str = "mpcache"
     topk_method: str = "rank"
-    refresh_every: int = 2
+    refresh_every: int = 3
     stagger_layers: bool = False
+    dense_steps: int = 8
     share_layers: int = 1
     cluster_size: int = 0
     candidates: int = 128
@@ -277,7 +284,8 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     def __post_init__(self):
         super().__post_init__()
         for name, low in (("refresh_every", 1), ("share_layers", 1), ("candidates", 2),
-                          ("recent_min", 0), ("cluster_size", 0), ("stripes", 0)):
+                          ("recent_min", 0), ("cluster_size", 0), ("stripes", 0),
+                          ("dense_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an integer >= {low}")
@@ -622,7 +630,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             else:
                 onehot, picked = carry
             return (*self.gather(onehot, state, geo), picked) + ((onehot,) if shares else ())
-        if self.refresh_every == 1:
+        if self.refresh_every == 1:   # (dense_steps changes nothing: every step selects)
             k, v, picked, *onehot = fresh()
         else:
             # (only the working set goes through the branch: under vmap a batched predicate
@@ -633,6 +641,8 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 due = ((step + layer) % self.refresh_every == 0) | (step == 0)
             else:
                 due = step % self.refresh_every == 0
+            if self.dense_steps:
+                due = due | (step < self.dense_steps)
             kept = (state.working_k, state.working_v, state.picked)
             if shares:   # a reuse step hands the next layers zeros: they keep their own sets
                 onehot_shape = jax.eval_shape(fresh)[3]
