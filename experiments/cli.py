@@ -46,6 +46,8 @@ VERBS: dict[str, Verb] = {
                   "(--party=all: every party of a loopback config)", global_flags=True),
     "party-table": Verb("experiments.party_table", "medians of repeated multi-process runs "
                         "under a folder"),
+    "pooled": Verb("experiments.pooled", "task scores of several fidelity runs pooled, "
+                   "each policy's ratio to full with a paired-bootstrap interval"),
     "pareto": Verb("experiments.pareto", "the accuracy-vs-cost front from a fidelity run and "
                    "a cost run"),
     "fault-cases": Verb("experiments.fault_cases", "run the parties' fault cases"),

@@ -65,6 +65,8 @@ TASKS: dict[str, TaskBuilder] = {
 }
 # tasks scored by perplexity over a target: they decode target_len tokens, not max_new_tokens
 PERPLEXITY_TASKS = frozenset({"ppl", "continuation"})
+# tasks whose samples come from --data_path (the others: from --seed and the repo's prose)
+DATA_PATH_TASKS = frozenset({"ppl", "longbench_jsonl"})
 
 
 def parse_tasks(values: list[str]) -> list[str]:
