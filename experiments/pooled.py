@@ -62,7 +62,8 @@ def parse_renames(entries: list[str]) -> dict:
 
 def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
     """The per-sample records of every run, each tagged with its run folder and policies
-    renamed (`parse_renames`). Refuses runs of different models or --lengths (their scores
+    renamed (`parse_renames`); a policy found at several budgets becomes one policy per
+    budget, named POLICY@BUDGET. Refuses runs of different models or --lengths (their scores
     do not pool), the same samples in two runs (the same task, --seed and data file: pooled
     twice they would count twice), and a folder without samples.jsonl."""
     renames = renames or {}
@@ -104,6 +105,13 @@ def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
             record["policy"] = renames.get((str(folder), old), renames.get((None, old), old))
             record["run"] = str(folder)
             records.append(record)
+    # a policy run at several budgets: one row per budget, named policy@budget
+    budgets = defaultdict(set)
+    for record in records:
+        budgets[record["policy"]].add(record.get("budget"))
+    for record in records:
+        if len(budgets[record["policy"]]) > 1:
+            record["policy"] = f"{record['policy']}@{record.get('budget'):g}"
     return records
 
 

@@ -15,11 +15,13 @@ from mpcache_jax.policies.working_set import geometry_length
 from mpcache_jax.policy import PrefillAux
 
 
-@pytest.mark.parametrize("budget", [0.05, 0.1, 0.2, 0.5, 64, 300])
-def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget):
-    policy = make_policy("mpcache", budget)
-    for t in list(range(40, 600, 7)) + [1024, 2047, 2048, 4096, 8192]:
-        B = P.budget_tokens(budget, t)
+@pytest.mark.parametrize("budget,min_budget", [(0.05, 0), (0.1, 0), (0.2, 0), (0.5, 0), (64, 0),
+                                               (300, 0), (0.1, 308), (0.05, 200)])
+def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget, min_budget):
+    policy = make_policy("mpcache", budget, min_budget=min_budget)
+    for t in list(range(40, 600, 7)) + [1024, 2047, 2048, 3073, 4096, 8192]:
+        B = max(P.budget_tokens(budget, t), min(min_budget, t))
+        assert policy.budget_at(t) == B
         try:
             m, start = policy.plan(t)
         except ValueError as err:                      # only when the sink alone is too much
@@ -37,6 +39,21 @@ def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget)
         assert geo.picks >= max(m, 1) and geo.recent >= t - start
     assert make_policy("mpcache", 0.1).plan(2048)[0] >= 1     # the default selects at 2k
     assert make_policy("mpcache", 0.1).plan(1025)[0] >= 1     # and at the bucket's smallest
+
+
+def test_a_budget_floor_widens_short_prompts_only():
+    """min_budget: a 2048-token prompt attends 308 tokens instead of 205 (more stripes); from
+    the length where the ratio gives at least the floor on, the layout is the ratio's."""
+    plain, floored = make_policy("mpcache", 0.1), make_policy("mpcache", 0.1, min_budget=308)
+    assert (plain.budget_at(2048), floored.budget_at(2048)) == (205, 308)
+    assert floored.stripes_of(2048) > plain.stripes_of(2048)
+    assert floored.budget_at(200) == 200                     # never more than the prompt
+    for t in (3073, 4096, 8192):
+        assert floored.budget_at(t) == plain.budget_at(t)
+        assert floored.stripes_of(geometry_length(t)) == plain.stripes_of(geometry_length(t))
+        assert floored.plan(t) == plain.plan(t)
+    with pytest.raises(ValueError, match="min_budget=-1 must be an integer >= 0"):
+        make_policy("mpcache", 0.1, min_budget=-1)
 
 
 def _layer(policy, T, max_new, seed=0, Hkv=2, d=8, scale=None):
