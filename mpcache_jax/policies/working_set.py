@@ -210,7 +210,9 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     budget: prompt tokens attended per decode step (a ratio of the prompt, or a count).
     min_budget: tokens a step attends at least (at most the whole prompt), whatever the
-      ratio gives: a ratio starves short prompts.
+      ratio gives: a ratio starves short prompts. The stripes still follow the ratio: a
+      floor above it gives each stripe more clusters (m), not more stripes (each stripe's
+      gather is a round of messages under MPC).
     refresh_every: decode steps between two selections (1 = every step); the schedule counts
       generated tokens, so it is public.
     stagger_layers: layers take turns: layer l selects at the steps where step + l is a
@@ -345,7 +347,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             return self.stripes
         c = self.cluster_of(length)
         smallest = shorter_length(length) + 1 if length > 2 else 1
-        room = self.budget_at(smallest) - min(c, smallest) - self.recent_min
+        room = P.budget_tokens(self.budget, smallest) - min(c, smallest) - self.recent_min
         return max(1, room // c)
 
     def plan(self, t: int) -> tuple[int, int]:
