@@ -3,7 +3,8 @@
     mpcache pooled --runs=results/qa_2048,results/lb_2048 [--reference=full] [--rename=d8r3:mpcache]
 
 Reads samples.jsonl of every run folder given (runs of one model and one --lengths; each
-may hold other tasks, or other samples of the same task: another --seed or data file).
+may hold other tasks, other samples of a task (another --seed or data file), or other
+policies on the same samples).
 A task's score is the mean over all its samples in those runs; the pooled score is the mean
 over the scored tasks (each task weighs the same, however many samples it has), over the
 tasks every listed policy has. Perplexity tasks (metric "ppl") are kept apart: a policy's
@@ -11,7 +12,7 @@ mean perplexity and its ratio to the reference's.
 
 Beside each policy: the pooled score's ratio to the reference's with a 90% interval from a
 paired bootstrap (the samples of each run and task are drawn with replacement, the same draw
-for every policy: the pairing of the run, which prefills a sample once for all policies),
+for every policy: the scores pair sample by sample),
 and per task the samples where the policy scored above / below the reference. The interval
 says how far the samples pin the ratio down; it is not a test of the held-out tasks.
 """
@@ -61,17 +62,20 @@ def parse_renames(entries: list[str]) -> dict:
 
 
 def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
-    """The per-sample records of every run, each tagged with its run folder and policies
-    renamed (`parse_renames`); a policy found at several budgets becomes one policy per
-    budget, named POLICY@BUDGET. Refuses runs of different models or --lengths (their scores
-    do not pool), the same samples in two runs (the same task, --seed and data file: pooled
-    twice they would count twice), and a folder without samples.jsonl."""
+    """The per-sample records of every run, policies renamed (`parse_renames`); a policy
+    found at several budgets becomes one policy per budget, named POLICY@BUDGET. Each record
+    is tagged with its samples' source ("run": the --seed, or the data file of a task that
+    reads one), so that runs of the same samples with other policies line up sample by
+    sample, and runs of other samples add to them. A sample x policy found in two runs
+    counts once when both scored it the same, and is refused when they did not (other code
+    or settings). Refuses runs of different models or --lengths (their scores do not pool)
+    and a folder without samples.jsonl."""
     renames = renames or {}
     known = {str(pathlib.Path(f)) for f in folders}
     for where, old in renames:
         if where is not None and where not in known:
             raise ValueError(f"--rename: {where} is not one of --runs")
-    records, seen, sample_runs = [], {}, {}
+    records, seen = [], {}
     for name in folders:
         folder = pathlib.Path(name)
         path = folder / "samples.jsonl"
@@ -90,41 +94,43 @@ def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
             if not line:
                 continue
             record = json.loads(line)
-            task = record["task"]
-            identity = (task, record["sample_id"], config.get("seed"),
-                        config.get("data_path") if task in task_registry.DATA_PATH_TASKS
-                        else None)
-            first = sample_runs.setdefault(identity, folder)
-            if first != folder:
-                raise ValueError(f"--runs: {first} and {folder} both hold {task} "
-                                 f"sample {record['sample_id']} (--seed={identity[2]}"
-                                 + (f", --data_path={identity[3]}" if identity[3] else "")
-                                 + "); pool runs of different "
-                                 "samples (another --seed or data file)")
+            data = (config.get("data_path") if record["task"] in task_registry.DATA_PATH_TASKS
+                    else None)
+            record["run"] = f"--data_path={data}" if data else f"--seed={config.get('seed')}"
+            record["folder"] = str(folder)
             old = record["policy"]
             record["policy"] = renames.get((str(folder), old), renames.get((None, old), old))
-            record["run"] = str(folder)
             records.append(record)
     # a policy run at several budgets: one row per budget, named policy@budget
     budgets = defaultdict(set)
     for record in records:
         budgets[record["policy"]].add(record.get("budget"))
+    first, kept = {}, []
     for record in records:
         if len(budgets[record["policy"]]) > 1:
             record["policy"] = f"{record['policy']}@{record.get('budget'):g}"
-    return records
+        key = (record["run"], record["task"], record["sample_id"], record["policy"])
+        if key in first:
+            earlier = first[key]
+            if earlier["score"] != record["score"] or earlier["folder"] == record["folder"]:
+                raise ValueError(
+                    f"{record['policy']} on {record['task']} sample {record['sample_id']} "
+                    f"({record['run']}): {earlier['score']:g} in {earlier['folder']}, "
+                    f"{record['score']:g} in {record['folder']}; runs of one sample disagree "
+                    "(other code or settings?), or one run holds two budgets of a renamed "
+                    "policy")
+            continue
+        first[key] = record
+        kept.append(record)
+    return kept
 
 
 def _tables(records: list[dict]):
-    """scores[policy][(run, task, sample_id)] -> score, fields[policy][key] -> {agree, kl},
-    and each task's metric."""
+    """scores[policy][(samples' source, task, sample_id)] -> score, fields[policy][key] ->
+    {agree, kl}, and each task's metric."""
     scores, fields, metric = defaultdict(dict), defaultdict(dict), {}
     for r in records:
         key = (r["run"], r["task"], r["sample_id"])
-        if key in scores[r["policy"]]:
-            raise ValueError(f"{r['run']}: two records of policy {r['policy']} for "
-                             f"{r['task']} sample {r['sample_id']} (two budgets? a --rename "
-                             "onto a policy the run already has?)")
         scores[r["policy"]][key] = float(r["score"])
         fields[r["policy"]][key] = {f: r.get(f) for f in ("agree", "kl")}
         metric[r["task"]] = r.get("metric")

@@ -1,6 +1,6 @@
 """`mpcache pooled` (experiments/pooled.py): several fidelity runs' scores pooled per task, each
 policy's pooled score against the reference's with a paired-bootstrap interval; runs that do
-not pool (other model or length, the same samples twice) are refused."""
+not pool (other model or length, one sample scored two ways) are refused."""
 from __future__ import annotations
 
 import json
@@ -112,8 +112,8 @@ def test_renames_apply_to_every_run_or_to_one(tmp_path):
     rows, _ = pooled.summarize(pooled.load_runs([a, b], renames), policies=["full", "mpcache"],
                                resamples=10)
     assert rows[1]["qa"] == pytest.approx(3 / 4) and rows[1]["qa_n"] == 4
-    with pytest.raises(ValueError, match="two records of policy mpcache"):
-        pooled.summarize(pooled.load_runs([a], pooled.parse_renames(["d8r3:mpcache"])))
+    with pytest.raises(ValueError, match="two budgets of a renamed policy"):
+        pooled.load_runs([a], pooled.parse_renames(["d8r3:mpcache"]))
     with pytest.raises(ValueError, match="give OLD:NEW"):
         pooled.parse_renames(["d8r3"])
     with pytest.raises(ValueError, match="is not one of --runs"):
@@ -130,25 +130,30 @@ def test_runs_that_do_not_pool_are_refused_with_the_reason(tmp_path):
                              model="n", seed=1)
     with pytest.raises(ValueError, match="--model"):
         pooled.load_runs([a, other_model])
-    same_samples = _write_run(tmp_path / "d", _records("qa", {"full": [1], "x": [1]}))
-    with pytest.raises(ValueError, match="both hold qa sample qa-0"):
-        pooled.load_runs([a, same_samples])
+    disagree = _write_run(tmp_path / "d", _records("qa", {"full": [1], "x": [1]}))
+    with pytest.raises(ValueError, match="x on qa sample qa-0 .*0 in .*a, 1 in .*d"):
+        pooled.load_runs([a, disagree])
     with pytest.raises(ValueError, match="does not exist"):
         pooled.load_runs([str(tmp_path / "absent")])
     with pytest.raises(ValueError, match="--reference=nope"):
         pooled.summarize(pooled.load_runs([a]), reference="nope")
 
 
-def test_the_same_seed_with_another_data_file_pools_for_data_tasks_only(tmp_path):
-    lb = lambda s: _records("longbench_jsonl", {"full": [1], "x": [s]})   # noqa: E731
-    a = _write_run(tmp_path / "a", lb(0), data_path="lb_a.jsonl")
-    b = _write_run(tmp_path / "b", lb(1), data_path="lb_b.jsonl")
+def test_runs_of_the_same_samples_line_up_and_other_data_files_add_samples(tmp_path):
+    """Two runs of the same seed with other policies: one row per policy on the same samples
+    (full, in both, counted once). LongBench-format runs of two data files: two samples. A
+    --data_path does not make the seeded tasks' samples other ones."""
+    a = _write_run(tmp_path / "a", _records("qa", {"full": [1, 0], "x": [1, 1]}))
+    b = _write_run(tmp_path / "b", _records("qa", {"full": [1, 0], "y": [0, 0]}),
+                   data_path="other.jsonl")
     rows, _ = pooled.summarize(pooled.load_runs([a, b]), resamples=10)
-    assert rows[1]["longbench_jsonl_n"] == 2
-    c = _write_run(tmp_path / "c", _records("qa", {"full": [1], "x": [0]}), data_path="p")
-    d = _write_run(tmp_path / "d", _records("qa", {"full": [1], "x": [0]}), data_path="q")
-    with pytest.raises(ValueError, match="both hold qa"):
-        pooled.load_runs([c, d])
+    assert [(r["policy"], r["qa_n"], r["qa"]) for r in rows] == [
+        ("full", 2, 0.5), ("x", 2, 1.0), ("y", 2, 0.0)]
+    lb = lambda s: _records("longbench_jsonl", {"full": [1], "x": [s]})   # noqa: E731
+    c = _write_run(tmp_path / "c", lb(0), data_path="lb_a.jsonl")
+    d = _write_run(tmp_path / "d", lb(1), data_path="lb_b.jsonl")
+    rows, _ = pooled.summarize(pooled.load_runs([c, d]), resamples=10)
+    assert rows[1]["longbench_jsonl_n"] == 2 and rows[1]["longbench_jsonl"] == 0.5
 
 
 def test_the_command_prints_the_table_and_writes_csv(tmp_path, capsys):
