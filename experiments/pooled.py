@@ -11,9 +11,9 @@ tasks every listed policy has. Perplexity tasks (metric "ppl") are kept apart: a
 mean perplexity and its ratio to the reference's.
 
 Beside each policy: the pooled score's ratio to the reference's with a 90% interval from a
-paired bootstrap (the samples of each run and task are drawn with replacement, the same draw
-for every policy: the scores pair sample by sample),
-and per task the samples where the policy scored above / below the reference. The interval
+paired bootstrap (the samples of each task and seed or data file are drawn with
+replacement, the same draw for every policy: the scores pair sample by sample), and per
+task the samples where the policy scored above / below the reference. The interval
 says how far the samples pin the ratio down; it is not a test of the held-out tasks.
 """
 from __future__ import annotations
@@ -156,7 +156,8 @@ def summarize(records: list[dict], reference: str = "full", policies: list[str] 
         raise ValueError(f"--policies: {', '.join(missing)} not in the runs (policies: "
                          f"{', '.join(sorted(scores))})")
     shared = set.intersection(*(set(scores[p]) for p in order))
-    # strata: the samples of one run and task (the bootstrap draws within each)
+    # strata: the samples of one source (seed or data file) and task; the bootstrap draws
+    # within each
     strata = defaultdict(list)
     for key in sorted(shared):
         strata[(key[0], key[1])].append(key)

@@ -210,7 +210,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     budget: prompt tokens attended per decode step (a ratio of the prompt, or a count).
     min_budget: tokens a step attends at least (at most the whole prompt), whatever the
-      ratio gives: a ratio starves short prompts. The stripes still follow the ratio: a
+      budget gives: a ratio starves short prompts. The stripes still follow the budget: a
       floor above it gives each stripe more clusters (m), not more stripes (each stripe's
       gather is a round of messages under MPC).
     refresh_every: decode steps between two selections (1 = every step); the schedule counts
