@@ -27,7 +27,7 @@ from collections import defaultdict
 import numpy as np
 from absl import flags
 
-from experiments import cli, task_registry
+from experiments import accuracy_report, cli, task_registry
 
 PPL_METRICS = ("ppl",)
 
@@ -64,8 +64,8 @@ def parse_renames(entries: list[str]) -> dict:
 def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
     """The per-sample records of every run, policies renamed (`parse_renames`); a policy
     found at several budgets becomes one policy per budget, named POLICY@BUDGET. Each record
-    is tagged with its samples' source ("run": the --seed, or the data file of a task that
-    reads one), so that runs of the same samples with other policies line up sample by
+    is tagged with its samples' source ("source": the --seed, or the data file of a task that
+    reads one) and its run ("folder"), so that runs of the same samples with other policies line up sample by
     sample, and runs of other samples add to them. A sample x policy found in two runs
     counts once when both scored it the same, and is refused when they did not (other code
     or settings). Refuses runs of different models or --lengths (their scores do not pool)
@@ -96,7 +96,7 @@ def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
             record = json.loads(line)
             data = (config.get("data_path") if record["task"] in task_registry.DATA_PATH_TASKS
                     else None)
-            record["run"] = f"--data_path={data}" if data else f"--seed={config.get('seed')}"
+            record["source"] = f"--data_path={data}" if data else f"--seed={config.get('seed')}"
             record["folder"] = str(folder)
             old = record["policy"]
             record["policy"] = renames.get((str(folder), old), renames.get((None, old), old))
@@ -109,13 +109,13 @@ def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
     for record in records:
         if len(budgets[record["policy"]]) > 1:
             record["policy"] = f"{record['policy']}@{record.get('budget'):g}"
-        key = (record["run"], record["task"], record["sample_id"], record["policy"])
+        key = (record["source"], record["task"], record["sample_id"], record["policy"])
         if key in first:
             earlier = first[key]
             if earlier["score"] != record["score"] or earlier["folder"] == record["folder"]:
                 raise ValueError(
                     f"{record['policy']} on {record['task']} sample {record['sample_id']} "
-                    f"({record['run']}): {earlier['score']:g} in {earlier['folder']}, "
+                    f"({record['source']}): {earlier['score']:g} in {earlier['folder']}, "
                     f"{record['score']:g} in {record['folder']}; runs of one sample disagree "
                     "(other code or settings?), or one run holds two budgets of a renamed "
                     "policy")
@@ -130,7 +130,7 @@ def _tables(records: list[dict]):
     {agree, kl}, and each task's metric."""
     scores, fields, metric = defaultdict(dict), defaultdict(dict), {}
     for r in records:
-        key = (r["run"], r["task"], r["sample_id"])
+        key = (r["source"], r["task"], r["sample_id"])
         scores[r["policy"]][key] = float(r["score"])
         fields[r["policy"]][key] = {f: r.get(f) for f in ("agree", "kl")}
         metric[r["task"]] = r.get("metric")
@@ -188,12 +188,12 @@ def summarize(records: list[dict], reference: str = "full", policies: list[str] 
     ref_pooled = pooled(ref_means)
     ref_draws = pooled(task_means(reference, True)) if pooled_tasks and resamples else None
     ref = scores[reference]
+    task_keys = {t: [k for s, ks in strata.items() if s[1] == t for k in ks] for t in tasks}
     rows = []
     for p in order:
         means = task_means(p)
         row = {"policy": p}
-        for t in tasks:
-            keys = [k for s, ks in strata.items() if s[1] == t for k in ks]
+        for t, keys in task_keys.items():
             row[t] = float(means[t])
             row[f"{t}_n"] = len(keys)
             if t in pooled_tasks:
@@ -212,8 +212,8 @@ def summarize(records: list[dict], reference: str = "full", policies: list[str] 
                 row["ratio_lo"], row["ratio_hi"] = (float(x) for x in
                                                     np.quantile(ratios, [0.05, 0.95]))
         for field in ("agree", "kl"):      # over the pooled tasks' samples
-            values = [fields[p][k][field] for s, ks in strata.items() if s[1] in pooled_tasks
-                      for k in ks if fields[p][k][field] is not None]
+            values = [fields[p][k][field] for t in pooled_tasks for k in task_keys[t]
+                      if fields[p][k][field] is not None]
             row[field] = sum(values) / len(values) if values else math.nan
         rows.append(row)
     return rows, pooled_tasks
@@ -259,11 +259,7 @@ def main(argv: list[str]) -> int:
         cli.usage_error(str(err))
     print(format_table(rows, pooled_tasks, fv.reference))
     if fv.out:
-        import csv
-        with open(fv.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        accuracy_report.write_csv(rows, list(rows[0]), fv.out)
     return 0
 
 
