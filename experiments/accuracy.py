@@ -27,6 +27,7 @@ from experiments.options import build_policies, parse_budget, parse_numbers, par
 from experiments.task_registry import PERPLEXITY_TASKS, SampleSpec, make_samples, parse_tasks
 from models import model as model_module
 from models import registry
+from mpcache_jax import primitives as P
 from runtime.generate import bucket_of, compress_batch, decode_loop_batch
 
 
@@ -96,6 +97,7 @@ class AccuracyConfig:
             return dict(self.flag_values)
         fields = dataclasses.asdict(self)
         fields.pop("flag_values")
+        fields["budgets"] = [P.budget_record(b) for b in self.budgets]
         return fields
 
     def sample_spec(self, lengths: list[int]) -> SampleSpec:
@@ -120,7 +122,7 @@ def evaluate_batch(loaded, batch, policies, cfg: AccuracyConfig,
                    f"exceed the model's context of {context}")
             tqdm.write(f"skipped sample {sample.task}/{sample.sample_id}: {err}")
             out[index] = [{"task": sample.task, "sample_id": sample.sample_id, "policy": label,
-                           "budget": budget, "metric": sample.metric,
+                           "budget": P.budget_record(budget), "metric": sample.metric,
                            "prompt_tokens": len(sample.prompt_ids), "skipped": f"sample: {err}"}
                           for label, budget, _ in policies]
         else:

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from experiments import common
+from mpcache_jax import primitives as P
 
 
 FIDELITY_FIELDS = ("score", "full_score", "agree", "agree_prefix", "kl")
@@ -94,7 +95,7 @@ def plot_vs_budget(results, path, field: str = "score"):
         by_policy = collections.defaultdict(list)
         for r in results:
             if r["task"] == task:
-                by_policy[r["policy"]].append((r["budget"], r[field], r["n"]))
+                by_policy[r["policy"]].append((P.budget_ratio(r["budget"]), r[field], r["n"]))
         colors = plt.get_cmap("tab20").colors
         markers = "osD^vP*X<>"
         for i, (policy, points) in enumerate(sorted(by_policy.items())):
@@ -159,7 +160,8 @@ def plot_needle_heatmaps(sample_records, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    combos = sorted({(r["policy"], r["budget"]) for r in sample_records})
+    combos = sorted({(r["policy"], r["budget"]) for r in sample_records},
+                    key=lambda combo: (combo[0], str(combo[1])))
     lengths = sorted({r["length"] for r in sample_records})
     depths = sorted({r["depth"] for r in sample_records})
     cols = min(4, len(combos))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 from experiments import common
+from mpcache_jax.primitives import budget_record
 
 
 def record_key(task: str, sample_id: str, policy: str, budget) -> tuple:
     """Identity of one sample x policy record (what --resume skips)."""
-    return (task, sample_id, policy, budget)
+    return (task, sample_id, policy, budget_record(budget))
 
 
 # Flags that only choose which records a run makes (or where and how it runs); every other

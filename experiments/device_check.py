@@ -154,8 +154,8 @@ def _flags() -> flags.FlagValues:
                         flag_values=fv)
     flags.DEFINE_string("policies", "full,mpcache", "comma-separated registered policies",
                         flag_values=fv)
-    flags.DEFINE_float("budget", 0.1, "the policies' budget (share of the prompt)",
-                       flag_values=fv)
+    flags.DEFINE_string("budget", "0.1", "the policies' budget: a share of the prompt, a "
+                        "token count or RATIOminTOKENS", flag_values=fv)
     flags.DEFINE_integer("new_tokens", 32, "tokens decoded per row", flag_values=fv)
     flags.DEFINE_integer("cpu_layers", 2, "layers of the model cut for the CPU comparison "
                          "(0: none)", flag_values=fv)
@@ -184,6 +184,11 @@ def main(argv: list[str]) -> int:
     policies = [p for p in args.policies.split(",") if p]
     if [p for p in policies if p not in POLICY_NAMES]:
         cli.usage_error(f"--policies: registered ones are {', '.join(POLICY_NAMES)}")
+    from mpcache_jax.primitives import budget_record, parse_budget
+    try:
+        budget = parse_budget(args.budget)
+    except ValueError as err:
+        cli.usage_error(f"--budget: {err}")
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:
@@ -233,9 +238,10 @@ def main(argv: list[str]) -> int:
                    for p in policies]
     for phase, name, length, policy_name in phases:
         model, params, weights, prompt = setup(name, length)
-        policy = make_policy(policy_name, budget=args.budget)
+        policy = make_policy(policy_name, budget=budget)
         record = {"phase": phase, "model": name, "weights": weights, "prompt_tokens": length,
-                  "policy": policy_name, "budget": args.budget, "new_tokens": args.new_tokens,
+                  "policy": policy_name, "budget": budget_record(budget),
+                  "new_tokens": args.new_tokens,
                   "device": device.device_kind, "platform": device.platform,
                   "jax": jax.__version__, "unbounded": args.unbounded}
         try:

@@ -30,6 +30,7 @@ import numpy as np
 
 from experiments import common, metrics
 from mpcache_jax import analysis
+from mpcache_jax import primitives as P
 from mpcache_jax.cache import policy_layers
 from runtime.generate import apply_policy, check_serves
 
@@ -185,7 +186,8 @@ def evaluate_batch(loaded, samples, policies, *, max_new_tokens: int, agree_toke
     for label, budget, policy in policies:
         started = time.perf_counter()
         common.reset_peak_rss()  # this policy's window: its compression + decoding
-        bases = [{"task": s.task, "sample_id": s.sample_id, "policy": label, "budget": budget,
+        bases = [{"task": s.task, "sample_id": s.sample_id, "policy": label,
+                  "budget": P.budget_record(budget),
                   "metric": s.metric, "prompt_tokens": len(s.prompt_ids), "answers": s.answers,
                   "full_score": score, "batch": real, **s.meta}
                  for s, score in zip(samples, ref_scores)]

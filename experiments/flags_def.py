@@ -32,7 +32,8 @@ flags.DEFINE_string("variants", None,
                     'JSON {"label": {"policy": NAME, option: value, ...}} of configured variants '
                     "evaluated beside --policies (ablations).")
 flags.DEFINE_list("budgets", ["0.05", "0.1", "0.2"],
-                  "Budgets: ratios of the prompt in (0, 1] or token counts (> 1).")
+                  "Budgets: ratios of the prompt in (0, 1], token counts (> 1), or a ratio with "
+                  "a floor in tokens, RATIOminTOKENS (0.1min384: 10%, at least 384 tokens).")
 flags.DEFINE_integer("num_samples", 20, "Samples per task.")
 flags.DEFINE_list("lengths", ["1400"], "Prompt lengths in tokens (synthetic tasks, ppl prefix).")
 flags.DEFINE_list("depths", ["0.1", "0.3", "0.5", "0.7", "0.9"], "Needle depths (fractions).")

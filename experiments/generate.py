@@ -13,9 +13,10 @@
 The prompt: --prompt (text), or --prompt_file (a long document and question), wrapped in the
 model's chat template unless --nochat or the model has none (a base model such as gemma3-270m
 gets the plain text, after BOS when its tokenizer asks for one). One policy (--policies;
-without it `full`, no eviction) at one budget (--budgets: a ratio of the prompt, or a token
-count). Records: DIR/results.jsonl (one per step + summary). The flags become a
-`GenerateConfig` once (`from_flags`).
+without it `full`, no eviction) at one budget (--budgets: a ratio of the prompt, a token
+count, or RATIOminTOKENS; without it the default's, `policies.DEFAULT_BUDGET`). Records:
+DIR/results.jsonl (one per step + summary). The flags become a `GenerateConfig` once
+(`from_flags`).
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def read_prompt(FLAGS) -> str:
 def one_policy(FLAGS):
     """The single policy (and budget) a generation runs with."""
     from experiments.options import parse_budget
-    from mpcache_jax.policies import make_policy
+    from mpcache_jax.policies import DEFAULT_BUDGET, make_policy
     if not FLAGS["policies"].present:
         if FLAGS["budgets"].present:
             raise ValueError("--budgets needs --policies=NAME (without --policies, generate "
@@ -108,7 +109,7 @@ def one_policy(FLAGS):
         return name, None, make_policy("full")
     if FLAGS["budgets"].present and len(FLAGS.budgets) != 1:
         raise ValueError(f"--experiment=generate runs one budget; --budgets={','.join(FLAGS.budgets)}")
-    budget = parse_budget(FLAGS.budgets[0]) if FLAGS["budgets"].present else 0.1
+    budget = parse_budget(FLAGS.budgets[0]) if FLAGS["budgets"].present else DEFAULT_BUDGET
     return name, budget, make_policy(name, budget)
 
 

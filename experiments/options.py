@@ -5,25 +5,21 @@ from __future__ import annotations
 
 import json
 
+from mpcache_jax import primitives as P
 from mpcache_jax.policies import make_policy
+from mpcache_jax.primitives import Budget
 
 # (label, registered name, options): one policy to run, under the label its records carry
 Variant = tuple[str, str, dict]
 
 
-def parse_budget(text: str) -> float | int:
-    """'0.1' -> ratio 0.1 of the prompt; '128' -> 128 tokens."""
+def parse_budget(text: str) -> float | int | Budget:
+    """'0.1' -> ratio 0.1 of the prompt; '128' -> 128 tokens; '0.1min384' -> 10% of the
+    prompt, at least 384 tokens (`primitives.Budget`)."""
     try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"--budgets entry {text!r} is not a number; give ratios in (0, 1] or "
-                         "token counts such as 128") from None
-    if value <= 1.0:
-        return value
-    if not value.is_integer():
-        raise ValueError(f"--budgets entry {text!r}: a budget above 1 is a token count and must "
-                         "be a whole number")
-    return int(value)
+        return P.parse_budget(text)
+    except ValueError as err:
+        raise ValueError(f"--budgets entry: {err}") from None
 
 
 def parse_numbers(flag: str, values: list[str], kind) -> list:
@@ -66,7 +62,7 @@ def parse_variants(policies: list[str], variants: str | None) -> list[Variant]:
     return out
 
 
-def build_policies(variants: list[Variant], budgets: list[float | int]):
+def build_policies(variants: list[Variant], budgets: list[float | int | Budget]):
     """[(label, budget, policy)] for every variant at every budget (`full` once, at 1.0),
     constructed, so a bad option fails before any model work starts."""
     out = []

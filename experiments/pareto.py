@@ -22,9 +22,18 @@ import sys
 from absl import flags
 
 from experiments import cli
+from mpcache_jax import primitives as P
 
 
-def read_fidelity(path: pathlib.Path, budget: float,
+def _same_budget(text: str, budget) -> bool:
+    """Whether a summary row's budget (its text) is `budget` (a ratio, count or Budget)."""
+    got = P.parse_budget(text)
+    if isinstance(got, P.Budget) or isinstance(budget, P.Budget):
+        return got == budget
+    return abs(float(got) - float(budget)) <= 1e-9
+
+
+def read_fidelity(path: pathlib.Path, budget,
                   tasks: list[str] | None = None) -> dict[str, dict]:
     """policy -> mean over `tasks` (None: every task of the run) of agree / agree_prefix / kl /
     score-over-full at `budget` (full at any budget: it is the reference). A policy that lacks
@@ -34,7 +43,7 @@ def read_fidelity(path: pathlib.Path, budget: float,
         raise SystemExit(f"error: {path}: no rows")
     per: dict[str, list[dict]] = {}
     for r in rows:
-        if r["policy"] != "full" and abs(float(r["budget"]) - budget) > 1e-9:
+        if r["policy"] != "full" and not _same_budget(r["budget"], budget):
             continue
         if tasks is not None and r["task"] not in tasks:
             continue
@@ -123,7 +132,7 @@ def write(rows: list[dict], out: pathlib.Path) -> str:
     return table
 
 
-def plot(rows: list[dict], path: pathlib.Path, budget: float) -> None:
+def plot(rows: list[dict], path: pathlib.Path, budget) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,7 +152,7 @@ def plot(rows: list[dict], path: pathlib.Path, budget: float) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("decode-step communication, MB (all parties, ABY3)")
         ax.set_ylabel("greedy agreement with full")
-        ax.set_title(f"T = {T}, budget {budget:g}")
+        ax.set_title(f"T = {T}, budget {budget}")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -158,7 +167,8 @@ def _flags() -> flags.FlagValues:
                         "comma-separated (same tasks and seed; a policy is taken from the first "
                         "run that has it)", flag_values=fv)
     flags.DEFINE_string("cost_dir", None, "a decode-cost run's output directory", flag_values=fv)
-    flags.DEFINE_float("budget", 0.1, "the budget whose rows are joined", flag_values=fv)
+    flags.DEFINE_string("budget", "0.1", "the budget whose rows are joined (a ratio, a token "
+                        "count or RATIOminTOKENS)", flag_values=fv)
     flags.DEFINE_string("tasks", "multi_hop,multi_needle,qa", "the tasks whose mean is a "
                         "policy's fidelity (every policy needs all)", flag_values=fv)
     flags.DEFINE_string("protocol", "ABY3", "the cost run's protocol", flag_values=fv)
@@ -174,6 +184,11 @@ def _flags() -> flags.FlagValues:
 def main(argv: list[str]) -> int:
     args = _flags()
     cli.parse(args, argv, __doc__)
+    try:
+        budget = P.parse_budget(args.budget)
+    except ValueError as err:
+        print(f"error: --budget: {err}", file=sys.stderr)
+        return 2
     fid_paths = [pathlib.Path(d) / "summary.csv" for d in args.fidelity_dir.split(",")]
     cost_path = pathlib.Path(args.cost_dir) / "results.jsonl"
     for p in fid_paths + [cost_path]:
@@ -183,7 +198,7 @@ def main(argv: list[str]) -> int:
             return 2
     fidelity = {}
     for p in fid_paths:
-        for policy, row in read_fidelity(p, args.budget, args.tasks.split(",")).items():
+        for policy, row in read_fidelity(p, budget, args.tasks.split(",")).items():
             fidelity.setdefault(policy, row)
     costs = read_costs(cost_path, args.protocol)
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
@@ -194,7 +209,7 @@ def main(argv: list[str]) -> int:
     missing = sorted({p for p, _ in costs} - set(fidelity)) + sorted(
         set(fidelity) - {p for p, _ in costs})
     table = write(rows, pathlib.Path(args.output_dir))
-    plot(rows, pathlib.Path(args.figure), args.budget)
+    plot(rows, pathlib.Path(args.figure), budget)
     print(table)
     if missing:
         print(f"(in only one of the two runs, left out: {', '.join(missing)})")

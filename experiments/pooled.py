@@ -108,7 +108,9 @@ def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
     first, kept = {}, []
     for record in records:
         if len(budgets[record["policy"]]) > 1:
-            record["policy"] = f"{record['policy']}@{record.get('budget'):g}"
+            budget = record.get("budget")
+            record["policy"] = (f"{record['policy']}@"
+                                f"{budget if isinstance(budget, str) else format(budget, 'g')}")
         key = (record["source"], record["task"], record["sample_id"], record["policy"])
         if key in first:
             earlier = first[key]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 
 import jax
@@ -487,8 +488,80 @@ def cluster_scores(q: jax.Array, r_max: jax.Array, r_min: jax.Array, mode: str =
     raise ValueError(f"unknown similarity mode {mode!r}; use 'alpha', 'mp' or 'avg'")
 
 
-def budget_tokens(budget: float | int, total: int) -> int:
-    """A budget given as a ratio of `total` (float in (0, 1]) or a token count (int >= 1)."""
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A ratio of the prompt with a floor in tokens: `Budget(0.1, 384)` attends 10% of a
+    prompt, at least 384 tokens (the whole prompt when it is shorter). A ratio alone starves
+    short prompts (10% of 2048 is 205 tokens); the floor gives every policy the same tokens
+    there, and prompts whose ratio reaches the floor keep their ratio.
+
+    ratio: in (0, 1]; min_tokens: >= 1. Written 'RATIOminTOKENS' ('0.1min384') in flags,
+    records and node configs (`str` / `parse_budget`).
+    """
+    ratio: float
+    min_tokens: int
+
+    def __post_init__(self):
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, float):
+            raise ValueError(f"Budget ratio={self.ratio!r} must be a ratio in (0, 1] (a token "
+                             "count needs no floor: give the larger count)")
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"Budget ratio={self.ratio} must be in (0, 1]"
+                             + (" (a token count needs no floor: give the larger count)"
+                                if self.ratio > 1 else ""))
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+                or self.min_tokens < 1):
+            raise ValueError(f"Budget min_tokens={self.min_tokens!r} must be an integer >= 1")
+
+    def __str__(self) -> str:
+        return f"{self.ratio:g}min{self.min_tokens}"
+
+
+def parse_budget(text: str) -> float | int | Budget:
+    """'0.1' -> ratio 0.1 of the prompt; '128' -> 128 tokens; '0.1min384' -> Budget(0.1, 384).
+    A ValueError with one line saying what to write otherwise."""
+    text = str(text).strip()
+    ratio_text, sep, floor_text = text.partition("min")
+    if sep:
+        try:
+            ratio, floor = float(ratio_text), int(floor_text)
+        except ValueError:
+            raise ValueError(f"budget {text!r}: write RATIOminTOKENS, e.g. 0.1min384 (10% of "
+                             "the prompt, at least 384 tokens)") from None
+        return Budget(ratio, floor)
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"budget {text!r} is not a number; give a ratio in (0, 1], a token "
+                         "count such as 128, or RATIOminTOKENS such as 0.1min384") from None
+    if value <= 1.0:
+        if value <= 0.0:
+            raise ValueError(f"budget {text!r} must be a ratio in (0, 1] or a token count >= 1")
+        return value
+    if not value.is_integer():
+        raise ValueError(f"budget {text!r}: a budget above 1 is a token count and must be a "
+                         "whole number")
+    return int(value)
+
+
+def budget_record(budget):
+    """The budget as a JSON scalar for records and configs: a number, or 'RATIOminTOKENS'."""
+    return str(budget) if isinstance(budget, Budget) else budget
+
+
+def budget_ratio(budget) -> float | int:
+    """The ratio (or count) part of a budget: what a plot's budget axis shows, and what a
+    policy's layout follows where a floor must not change it."""
+    if isinstance(budget, str):
+        budget = parse_budget(budget)
+    return budget.ratio if isinstance(budget, Budget) else budget
+
+
+def budget_tokens(budget: float | int | Budget, total: int) -> int:
+    """A budget given as a ratio of `total` (float in (0, 1]), a token count (int >= 1) or a
+    `Budget` (its ratio, at least its floor, at most `total`)."""
+    if isinstance(budget, Budget):
+        return max(budget_tokens(budget.ratio, total), min(budget.min_tokens, total))
     if isinstance(budget, bool):
         raise ValueError(f"budget={budget!r} must be a ratio in (0, 1] or a token count")
     if isinstance(budget, int):

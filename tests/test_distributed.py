@@ -236,6 +236,9 @@ CASES = {
                           "job.prompt_ids must be a list of integer token ids, got '0'"),
     "unknown prefill": (lambda r: r["job"].update(prefill="plain"),
                         "job.prefill='plain' is unknown; use \"secure\""),
+    "budget text that is not a budget": (lambda r: r["job"].update(budget="0.1min0"),
+                                         "job.budget='0.1min0' must be a number, a ratio with a "
+                                         "floor such as \"0.1min384\", or null"),
     "string seq_len": (lambda r: r["job"].update(seq_len="32"),
                        "job.seq_len='32' must be an integer"),
     "seq_len beyond the context": (lambda r: r["job"].update(seq_len=10**9),

@@ -78,6 +78,8 @@ def test_cli_rejects_unknown_model():
 @pytest.mark.parametrize("flag,message", [
     ("--budgets=2.5", "must be a whole number"),
     ("--budgets=ten", "is not a number"),
+    ("--budgets=0.1min", "write RATIOminTOKENS, e.g. 0.1min384"),
+    ("--budgets=64min384", "a token count needs no floor"),
     ("--policies=full,orcale", "unknown policy 'orcale'"),
     ("--variants={bad json", "not valid JSON"),
     ("--lengths=1400,long", "--lengths=1400,long: every entry must be a whole number"),
@@ -97,7 +99,8 @@ def test_accuracy_cli_rejects_bad_flags_before_loading(flag, message):
 @pytest.mark.slow
 def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
     """--policy_chunk only changes when programs are compiled and freed, not any result;
-    --resume keeps finished records and runs only the missing ones."""
+    --resume keeps finished records and runs only the missing ones, a budget with a floor
+    (0.1min100: 100 of the 300 tokens, not 30) among them."""
     outputs = {}
     for run, extra in (("all", ["--policy_chunk=0"]), ("chunked", ["--policy_chunk=1"]),
                        ("resumed", ["--policy_chunk=2", "--resume"])):
@@ -107,7 +110,7 @@ def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
             (out / "samples.jsonl").write_text("\n".join(lines[:2]) + "\n")
         cmd = [sys.executable, "-m", "experiments.run", "--experiment=accuracy",
                "--model=smollm2-135m", "--task=passkey", "--num_samples=2", "--lengths=300",
-               "--depths=0.3,0.8", "--policies=full,streaming_llm", "--budgets=0.2,0.5",
+               "--depths=0.3,0.8", "--policies=full,streaming_llm", "--budgets=0.1min100,0.5",
                "--max_new_tokens=8", f"--output_dir={out}", *extra]
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -120,6 +123,7 @@ def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
             assert sorted(r["n"] for r in results) == [2, 2, 2]
     # 2 samples x (full + streaming_llm at two budgets)
     assert len(outputs["all"]) == 2 * 3
+    assert {o[2] for o in outputs["all"]} == {1.0, 0.5, "0.1min100"}
     assert outputs["all"] == outputs["chunked"] == outputs["resumed"]
     assert len({o[3] for o in outputs["all"]}) > 1  # the policies do not all say the same thing
 

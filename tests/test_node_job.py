@@ -94,11 +94,11 @@ def test_sweeps_run_the_job_per_policy_budget_and_length(parse):
     """accuracy / mpc_cost: one job per --policies x --budgets x --seq_lens entry; `full`
     keeps the whole cache, so it runs once per length whatever --budgets says."""
     flags = parse("--experiment=mpc_cost", "--backend=spu_nodes", f"--node_config={SHIPPED}",
-                  "--policies=full,mpcache", "--budgets=0.25,0.5", "--seq_lens=64,128")
+                  "--policies=full,mpcache", "--budgets=0.25,0.1min32", "--seq_lens=64,128")
     plan = node_job.plan_jobs(flags)
     assert plan.jobs == [{"policy": "full", "seq_len": 64}, {"policy": "full", "seq_len": 128},
                          *({"policy": "mpcache", "budget": b, "seq_len": t}
-                           for b in (0.25, 0.5) for t in (64, 128))]
+                           for b in (0.25, "0.1min32") for t in (64, 128))]
 
 
 @pytest.mark.parametrize("argv,says", [

@@ -204,6 +204,25 @@ def test_budget_tokens():
             P.budget_tokens(bad, 100)
 
 
+def test_a_budget_floor_gives_short_prompts_its_tokens_and_long_ones_their_ratio():
+    floored = P.Budget(0.1, 384)
+    assert [P.budget_tokens(floored, t) for t in (100, 384, 2048, 3840, 8192)] == [
+        100, 384, 384, 384, 820]
+    assert str(floored) == "0.1min384" and P.parse_budget("0.1min384") == floored
+    assert P.budget_record(floored) == "0.1min384" and P.budget_record(0.1) == 0.1
+    assert P.budget_ratio("0.1min384") == P.budget_ratio(floored) == 0.1
+    assert (P.parse_budget("0.2"), P.parse_budget("128")) == (0.2, 128)
+    assert isinstance(P.parse_budget("128"), int)
+    for text, message in (("128min384", "ratio=128.0 must be in"),
+                          ("0.1min0", "min_tokens=0 must be an integer >= 1"),
+                          ("0.1min3.5", "write RATIOminTOKENS"), ("ten", "is not a number"),
+                          ("0", "must be a ratio in"), ("12.5", "whole number")):
+        with pytest.raises(ValueError, match=message):
+            P.parse_budget(text)
+    with pytest.raises(ValueError, match="a token count needs no floor"):
+        P.Budget(64, 384)
+
+
 def test_topk_onehot_rows_are_the_entries_in_rank_order():
     """Row r of the one-hot marks the entry of rank r (lax.top_k's order, ties to the lower
     index); forced entries come first, invalid ones last; rows at or past a runtime k are

@@ -124,7 +124,8 @@ def test_probe_sees_every_token_under_full_attention():
             np.testing.assert_array_equal(seen[..., PROMPT:].sum(-1), step + 1)
 
 
-@pytest.mark.parametrize("budget", [0.25, pytest.param(64, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("budget", [0.25, pytest.param(64, marks=pytest.mark.slow),
+                                    pytest.param(P.Budget(0.1, 48), marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", BUDGETED)
 def test_attends_to_at_most_budget_prompt_tokens(name, budget):
     policy = make_policy(name, budget)

@@ -15,12 +15,13 @@ from mpcache_jax.policies.working_set import geometry_length
 from mpcache_jax.policy import PrefillAux
 
 
-@pytest.mark.parametrize("budget,min_budget", [(0.05, 0), (0.1, 0), (0.2, 0), (0.5, 0), (64, 0),
-                                               (300, 0), (0.1, 384), (0.05, 200)])
-def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget, min_budget):
-    policy = make_policy("mpcache", budget, min_budget=min_budget)
+@pytest.mark.parametrize("budget", [0.05, 0.1, 0.2, 0.5, 64, 300, P.Budget(0.1, 384),
+                                    P.Budget(0.05, 200)])
+def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget):
+    policy = make_policy("mpcache", budget)
+    floor = budget.min_tokens if isinstance(budget, P.Budget) else 0
     for t in list(range(40, 600, 7)) + [1024, 2047, 2048, 3073, 4096, 8192]:
-        B = max(P.budget_tokens(budget, t), min(min_budget, t))
+        B = max(P.budget_tokens(P.budget_ratio(budget), t), min(floor, t))
         assert policy.budget_at(t) == B
         try:
             m, start = policy.plan(t)
@@ -42,9 +43,11 @@ def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget,
 
 
 def test_a_budget_floor_widens_short_prompts_only():
-    """min_budget: a 2048-token prompt attends 384 tokens instead of 205, in the same stripes
-    with more clusters each; a prompt whose ratio gives at least the floor keeps its plan."""
-    plain, floored = make_policy("mpcache", 0.1), make_policy("mpcache", 0.1, min_budget=384)
+    """Budget(0.1, 384): a 2048-token prompt attends 384 tokens instead of 205, in the same
+    stripes with more clusters each; a prompt whose ratio gives at least the floor keeps its
+    plan."""
+    plain, floored = make_policy("mpcache", 0.1), make_policy("mpcache", "0.1min384")
+    assert floored.budget == P.Budget(0.1, 384)
     assert (plain.budget_at(2048), floored.budget_at(2048)) == (205, 384)
     assert floored.stripes_of(2048) == plain.stripes_of(2048)
     assert floored.plan(2048)[0] > plain.plan(2048)[0] >= 1
@@ -52,8 +55,8 @@ def test_a_budget_floor_widens_short_prompts_only():
     for t in (4096, 8192):
         assert floored.budget_at(t) == plain.budget_at(t)
         assert floored.plan(t) == plain.plan(t)
-    with pytest.raises(ValueError, match="min_budget=-1 must be an integer >= 0"):
-        make_policy("mpcache", 0.1, min_budget=-1)
+    with pytest.raises(ValueError, match="min_tokens=-1 must be an integer >= 1"):
+        make_policy("mpcache", P.Budget(0.1, -1))
 
 
 def _layer(policy, T, max_new, seed=0, Hkv=2, d=8, scale=None):

@@ -14,6 +14,7 @@ from experiments.common import git_commit, write_jsonl
 from experiments.cost.harness import CostConfig, Harness, benchmark, median_run
 from models import registry
 from models.model import Model
+from mpcache_jax import primitives as P
 from mpcache_jax.policies import make_policy
 from runtime import mpc
 from runtime.generate import apply_policy
@@ -110,7 +111,7 @@ def bench_decode(cfg: CostConfig, harness: Harness):
             for label, name, options in cfg.policies:
                 policy, budget = build_policy(cfg, name, protocol, T, cfgm.num_kv_heads, options)
                 settings = vars(policy)       # the dataclass's fields
-                extra = {"scope": "decoder_layers", "budget": budget, **picked,
+                extra = {"scope": "decoder_layers", "budget": P.budget_record(budget), **picked,
                          "topk_method": settings.get("topk_method"),
                          "share_from": settings.get("share_from"),
                          "softmax": policy.softmax}
@@ -289,7 +290,8 @@ def bench_generate(cfg: CostConfig, harness: Harness):
                     harness.record("generate", protocol, mpc_cfg, step.cost, step.wall_s,
                                    policy=label, seq_len=step.position,
                                    num_layers=loaded.model.cfg.num_layers,
-                                   extra={"phase": step.phase, "budget": budget})
+                                   extra={"phase": step.phase,
+                                          "budget": P.budget_record(budget)})
             summary = harness.add({
                 "bench": "generate_summary", "policy": label, "protocol": protocol,
                 "model": cfg.model, "prompt_tokens": len(prompt_ids),

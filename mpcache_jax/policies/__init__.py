@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 from typing import Callable
 
+from mpcache_jax import primitives as P
 from mpcache_jax.policy import FULL, AttentionPolicy, NoCache
 from mpcache_jax.policies import eviction, retrieval
 from mpcache_jax.policies.base import DecodeEvictionPolicy, PromptEvictionPolicy, StreamingLLM
@@ -52,10 +53,18 @@ for _module in (eviction, retrieval):
         raise ImportError(f"{_module.__name__} registers names already taken: {sorted(_clash)}")
     _REGISTRY.update(_module.REGISTRY)
 POLICY_NAMES = tuple(_REGISTRY)
+# The budget the default is shipped, measured and costed with (README, mpc_long.flags): 10% of
+# the prompt, at least 384 tokens (a ratio alone starves prompts of 2k tokens; docs/design.md
+# "The budget rule"). A generation given a policy and no --budgets uses it.
+DEFAULT_BUDGET = P.Budget(0.1, 384)
 
 
-def make_policy(name: str, budget: float | int | None = None, **overrides) -> AttentionPolicy:
-    """A configured policy. `budget` (ratio of the prompt or token count) is ignored by `full`."""
+def make_policy(name: str, budget: float | int | P.Budget | str | None = None,
+                **overrides) -> AttentionPolicy:
+    """A configured policy. `budget` (a ratio of the prompt, a token count, a `Budget` or its
+    text such as '0.1min384') is ignored by `full`."""
+    if isinstance(budget, str):
+        budget = P.parse_budget(budget)
     cls, fixed = policy_class(name), _REGISTRY[name][1]
     if cls is AttentionPolicy:
         if set(overrides) - {"softmax"}:

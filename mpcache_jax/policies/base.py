@@ -3,7 +3,8 @@
 Layout of a pruned layer: the kept prompt tokens in a static-size region (`k`, `v`, `valid`)
 followed by a region for the tokens generated after prefill (`new`, a dense LayerKV).
 Budget rule used by every policy: a decode step attends to at most `budget` prompt tokens
-plus every token generated since prefill.
+plus every token generated since prefill (`primitives.budget_tokens`: a ratio of the prompt,
+a token count, or a ratio with a floor in tokens, `primitives.Budget`).
 
 Prompt lengths are static ints or, for bucketed prompts, public runtime values: every count
 that depends on the prompt length T is written as a function of an int and evaluated through
@@ -56,8 +57,9 @@ class PrunedLayer:
 
 
 def validate_budget(budget) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget={budget!r} must be a ratio in (0, 1] or a token count")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, P.Budget)):
+        raise ValueError(f"budget={budget!r} must be a ratio in (0, 1], a token count or a "
+                         "primitives.Budget (a ratio with a floor in tokens)")
     P.budget_tokens(budget, 1 << 30)  # raises with a clear message when out of range
 
 
@@ -404,7 +406,7 @@ class PromptEvictionPolicy(AttentionPolicy):
     # whose later steps assume one budget in every layer says False.
     PER_LAYER_BUDGET = True
 
-    budget: float | int = 0.1
+    budget: float | int | P.Budget = 0.1
     topk_method: str = "lax"
     layer_budget: LayerBudget | None = None
 

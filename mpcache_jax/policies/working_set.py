@@ -208,11 +208,11 @@ class WorkingSetLayer:
 class WorkingSetMPCache(PromptEvictionPolicy):
     """MPCache's default (registered as `mpcache`; module docstring).
 
-    budget: prompt tokens attended per decode step (a ratio of the prompt, or a count).
-    min_budget: tokens a step attends at least (at most the whole prompt), whatever the
-      budget gives: a ratio starves short prompts. The stripes still follow the budget: a
+    budget: prompt tokens attended per decode step (a ratio of the prompt, a count, or a
+      ratio with a floor in tokens, `primitives.Budget`). The stripes follow the ratio: a
       floor above it gives each stripe more clusters (m), not more stripes (each stripe's
-      gather is a round of messages under MPC).
+      gather is a round of messages under MPC), so lengths whose ratio reaches the floor keep
+      the ratio's plan.
     refresh_every: decode steps between two selections (1 = every step); the schedule counts
       generated tokens, so it is public.
     stagger_layers: layers take turns: layer l selects at the steps where step + l is a
@@ -274,7 +274,6 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     refresh_every: int = 3
     stagger_layers: bool = False
     dense_steps: int = 8
-    min_budget: int = 0
     share_layers: int = 1
     cluster_size: int = 0
     candidates: int = 128
@@ -290,7 +289,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         super().__post_init__()
         for name, low in (("refresh_every", 1), ("share_layers", 1), ("candidates", 2),
                           ("recent_min", 0), ("cluster_size", 0), ("stripes", 0),
-                          ("dense_steps", 0), ("min_budget", 0)):
+                          ("dense_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an integer >= {low}")
@@ -326,9 +325,9 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     # --- counts ------------------------------------------------------------------------------
     def budget_at(self, t: int) -> int:
-        """B(t): prompt tokens a step attends for a t-token prompt: the budget (a ratio of t or
-        a count), at least `min_budget` tokens, at most t."""
-        return max(P.budget_tokens(self.budget, t), min(self.min_budget, t))
+        """B(t): prompt tokens a step attends for a t-token prompt (the budget's ratio of t, its
+        count, at least its floor; at most t)."""
+        return P.budget_tokens(self.budget, t)
 
     def cluster_of(self, length: int) -> int:
         """c for prompts of this geometry length: the power of two at or below length /
@@ -347,7 +346,8 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             return self.stripes
         c = self.cluster_of(length)
         smallest = shorter_length(length) + 1 if length > 2 else 1
-        room = P.budget_tokens(self.budget, smallest) - min(c, smallest) - self.recent_min
+        room = (P.budget_tokens(P.budget_ratio(self.budget), smallest) - min(c, smallest)
+                - self.recent_min)
         return max(1, room // c)
 
     def plan(self, t: int) -> tuple[int, int]:

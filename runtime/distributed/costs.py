@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpcache_jax.primitives import budget_record
 from runtime.distributed import wire
 from runtime.mpc.costs import cost_fields
 from runtime.mpc.profile_log import OpCost, RunCost
@@ -44,8 +45,8 @@ def generation_records(result, *, backend: str, policy: str, budget, model: str,
                        num_layers: int | None, protocol: str, parties: int, prompt_len: int,
                        **extra) -> list[dict]:
     """Per-step cost records and a closing summary of one SecureGeneration."""
-    common = {"backend": backend, "policy": policy, "budget": budget, "protocol": protocol,
-              "parties": parties, "model": model, "num_layers": num_layers,
+    common = {"backend": backend, "policy": policy, "budget": budget_record(budget),
+              "protocol": protocol, "parties": parties, "model": model, "num_layers": num_layers,
               "prompt_tokens": prompt_len}
     steps = [{**common, "phase": step.phase, "position": step.position,
               **cost_fields(step.cost, step.wall_s, parties)}

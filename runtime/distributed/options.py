@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from mpcache_jax.policies import POLICY_NAMES
+from mpcache_jax.primitives import parse_budget
 from models.registry import MODEL_NAMES
 
 
@@ -38,6 +39,17 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 
 def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_budget_text(value) -> bool:
+    """A budget written RATIOminTOKENS ('0.1min384'; `primitives.parse_budget`)."""
+    if not isinstance(value, str) or "min" not in value or len(value) > 32:
+        return False
+    try:
+        parse_budget(value)
+    except ValueError:
+        return False
+    return True
 
 
 def is_int(value) -> bool:
@@ -175,7 +187,7 @@ class JobSpec:
 
     model: str = "llama-tiny"
     policy: str = "mpcache"
-    budget: float | None = None
+    budget: float | int | str | None = None
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     seq_len: int = 64
     max_new_tokens: int = 2
@@ -195,7 +207,8 @@ class JobSpec:
         check_types(self, {
             "model": ("a string", lambda v: isinstance(v, str)),
             "policy": ("a string", lambda v: isinstance(v, str)),
-            "budget": ("a number or null", optional(is_number)),
+            "budget": ("a number, a ratio with a floor such as \"0.1min384\", or null",
+                       optional(lambda v: is_number(v) or is_budget_text(v))),
             "policy_options": ("an object", lambda v: isinstance(v, dict)),
             "seq_len": integer, "max_new_tokens": integer,
             "num_layers": ("an integer or null", optional(is_int)),
