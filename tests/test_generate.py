@@ -115,15 +115,15 @@ def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-        outputs[run] = sorted((r["sample_id"], r["policy"], r["budget"], r["output"], r["score"])
-                              for r in records)
+        outputs[run] = sorted((r["sample_id"], r["policy"], str(r["budget"]), r["output"],
+                               r["score"]) for r in records)
         if run == "resumed":
             assert "resuming: 2 finished" in proc.stdout
             results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
             assert sorted(r["n"] for r in results) == [2, 2, 2]
     # 2 samples x (full + streaming_llm at two budgets)
     assert len(outputs["all"]) == 2 * 3
-    assert {o[2] for o in outputs["all"]} == {1.0, 0.5, "0.1min100"}
+    assert {o[2] for o in outputs["all"]} == {"1.0", "0.5", "0.1min100"}
     assert outputs["all"] == outputs["chunked"] == outputs["resumed"]
     assert len({o[3] for o in outputs["all"]}) > 1  # the policies do not all say the same thing
 
