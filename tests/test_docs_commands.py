@@ -109,6 +109,7 @@ def test_the_docs_hold_commands_to_check():
 def test_command_names_what_exists(doc, words):
     from models.registry import MODEL_NAMES
     from mpcache_jax.policies import POLICY_NAMES as POLICIES
+    from mpcache_jax.primitives import parse_budget
 
     if words[0] == "bash":
         assert (ROOT / words[1]).is_file(), f"{doc}: {words[1]} does not exist"
@@ -140,7 +141,11 @@ def test_command_names_what_exists(doc, words):
             json.loads(value)
         if name == "policies":
             for policy in value.split(","):
+                # `mpcache pooled` names a policy run at several budgets POLICY@BUDGET
+                policy, _, budget = policy.partition("@")
                 assert policy in POLICIES or policy in variants, \
                     f"{doc}: policy {policy!r} is not registered ({' '.join(words)[:120]})"
+                if budget:
+                    parse_budget(budget)
         if name == "model" and "/" not in value:
             assert value in MODEL_NAMES, f"{doc}: model {value!r} is not registered"
