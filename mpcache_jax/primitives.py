@@ -513,8 +513,8 @@ class Budget:
                 or self.min_tokens < 1):
             raise ValueError(f"Budget min_tokens={self.min_tokens!r} must be an integer >= 1")
 
-    def __str__(self) -> str:
-        return f"{self.ratio:g}min{self.min_tokens}"
+    def __str__(self) -> str:       # the ratio's shortest exact text: parse_budget returns it
+        return f"{self.ratio!r}min{self.min_tokens}"
 
 
 def parse_budget(text: str) -> float | int | Budget:

@@ -209,6 +209,8 @@ def test_a_budget_floor_gives_short_prompts_its_tokens_and_long_ones_their_ratio
     assert [P.budget_tokens(floored, t) for t in (100, 384, 2048, 3840, 8192)] == [
         100, 384, 384, 384, 820]
     assert str(floored) == "0.1min384" and P.parse_budget("0.1min384") == floored
+    odd = P.Budget(0.123456789, 5)
+    assert P.parse_budget(str(odd)) == odd                   # records name it exactly
     assert P.budget_record(floored) == "0.1min384" and P.budget_record(0.1) == 0.1
     assert P.budget_ratio("0.1min384") == P.budget_ratio(floored) == 0.1
     assert (P.parse_budget("0.2"), P.parse_budget("128")) == (0.2, 128)
