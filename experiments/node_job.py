@@ -78,15 +78,11 @@ def _budget(text: str):
     return parse_budget(text)
 
 
-def budget_record(budget):
-    """The budget as a node config's job.budget holds it (a number or 'RATIOminTOKENS')."""
-    from mpcache_jax.primitives import budget_record as record
-    return record(budget)
-
 
 def plan_jobs(FLAGS) -> Plan:
     """The run's jobs from the node config and the flags given, each checked as the parties
     will check it; raises ValueError (exit 2) naming the flag or job field."""
+    from mpcache_jax.primitives import budget_record
     from runtime.distributed.config import NodeConfigError, load_node_config
     if not FLAGS.node_config:
         raise ValueError("--backend=spu_nodes needs --node_config=FILE (see experiments/nodes/*.json)")
@@ -144,7 +140,7 @@ def plan_jobs(FLAGS) -> Plan:
                                  "ignored)" + ("" if policy else ", or name a policy that "
                                                "evicts with --policies"))
             if name != "full":
-                overrides["budget"] = budget_record(budget)
+                overrides["budget"] = budget_record(budget)   # a number or its text
         if seq_len is not None:
             overrides["seq_len"] = seq_len
         try:
