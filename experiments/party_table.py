@@ -1,11 +1,13 @@
 """Medians and full/other ratios of multi-process decode steps (scripts/netns_3pc.sh runs).
 
     mpcache party-table results/tbf3c     # every results.jsonl under the folder
+    mpcache party-table --statistic=mean results/parties_lan_2048_32
 
 Groups the decode-step records of every run under the folder by (node config, prompt length,
 policy) -- repeated runs of one configuration pool their steps -- and prints one markdown
-row per group: steps, median measured wall per step, median of the slowest party's CPU
-seconds, the counted bytes (summed over the parties) and messages, the network model's LAN
+row per group: steps, the median (or with --statistic=mean the mean: a policy whose steps
+differ by design, such as refresh and reuse steps, costs its mean per token) measured wall
+per step, of the slowest party's CPU seconds, the counted bytes (summed over the parties) and messages, the network model's LAN
 time, and the model plus the slowest party's CPU; where the folder also holds simulated
 steps of the same prompt length and policy (`experiments.party --compare_sim`), the cost
 model's prediction for the run's link (`link.shape` of its node config: the LAN or WAN time
@@ -78,8 +80,15 @@ def simulated_steps(folder: pathlib.Path) -> dict[tuple, list[dict]]:
     return groups
 
 
+STATISTICS = {"median": statistics.median, "mean": statistics.mean}
+
+
 def summarize(groups: dict[tuple, list[dict]],
-              simulated: dict[tuple, list[dict]] | None = None) -> list[dict]:
+              simulated: dict[tuple, list[dict]] | None = None,
+              statistic: str = "median") -> list[dict]:
+    """One row per group: its steps' `statistic` ("median" or "mean") of each measured
+    column; the simulated model time is the mean of the simulated steps."""
+    centre = STATISTICS[statistic]
     rows = []
     for (config, link, T, policy), steps in sorted(groups.items()):
         cpu = [max(s["party_cpu_s"]) for s in steps]
@@ -89,12 +98,12 @@ def summarize(groups: dict[tuple, list[dict]],
         rows.append({
             "node_config": config, "link": link, "prompt_tokens": T, "policy": policy,
             "steps": len(steps),
-            "wall_s": statistics.median(s["wall_s"] for s in steps),
-            "max_party_cpu_s": statistics.median(cpu),
-            "comm_mb": statistics.median(s["comm_bytes"] for s in steps) / 1e6,
-            "messages": statistics.median(s["messages"] for s in steps),
-            "lan_network_s": statistics.median(network),
-            "lan_network_plus_cpu_s": statistics.median(n + c for n, c in zip(network, cpu)),
+            "wall_s": centre([s["wall_s"] for s in steps]),
+            "max_party_cpu_s": centre(cpu),
+            "comm_mb": centre([s["comm_bytes"] for s in steps]) / 1e6,
+            "messages": centre([s["messages"] for s in steps]),
+            "lan_network_s": centre(network),
+            "lan_network_plus_cpu_s": centre([n + c for n, c in zip(network, cpu)]),
             "model_s": statistics.mean(model) if model else None,
         })
     return rows
@@ -134,11 +143,15 @@ def format_tables(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    (name,) = cli.parse(flags.FlagValues(), argv, __doc__, positional=("FOLDER",))
+    fv = flags.FlagValues()
+    flags.DEFINE_enum("statistic", "median", sorted(STATISTICS),
+                      "Each group's measured columns over its steps: median or mean.",
+                      flag_values=fv)
+    (name,) = cli.parse(fv, argv, __doc__, positional=("FOLDER",))
     folder = pathlib.Path(name)
     if not folder.is_dir():
         cli.usage_error(f"{folder} is not a folder (the output folder of the runs)")
-    rows = summarize(decode_steps(folder), simulated_steps(folder))
+    rows = summarize(decode_steps(folder), simulated_steps(folder), fv.statistic)
     if not rows:
         print(f"no decode-step records under {folder}", file=sys.stderr)
         return 1

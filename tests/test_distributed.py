@@ -24,7 +24,7 @@ from runtime.distributed import (JobFailed, JobSpec, NodeConfigError, load_node_
                                  parse_node_config, run_loopback)
 from runtime.distributed import bounds
 from runtime.distributed import job as job_lib
-from runtime.distributed.compare import simulate
+from runtime.distributed.compare import compare_backends, simulate
 from runtime.distributed.launch import free_ports, prepare_config, start_parties
 from runtime.distributed.party import run_party, warn_if_insecure
 from runtime.distributed.party_front import front_steps
@@ -99,6 +99,29 @@ def test_multiprocess_generation_matches_spu_sim_and_plaintext(tmp_path, parties
     # Every decode step runs the same program (to within the link's framing bytes).
     decode = [s["comm_bytes"] for s in steps[1:]]
     assert max(decode) - min(decode) < 1e-3 * min(decode)
+
+
+def test_compare_sim_runs_each_policy_in_the_simulator_and_on_real_parties(tmp_path):
+    """`party --compare_sim`: per policy the simulator (in a child process, whose memory goes
+    back before the parties start) and then three real parties, both appended to one
+    results.jsonl: the same tokens, and each decode step the same messages and bytes (to
+    within the link's framing)."""
+    raw = node_config(3, "ABY3")
+    path = write(tmp_path, raw)
+    summaries = compare_backends(str(path), [raw["job"]["policy"]], tmp_path / "out",
+                                 use_free_ports=True, max_new_tokens=3)
+    records = [json.loads(line) for line in
+               (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    sim = [r for r in records if r["backend"] == "spu_sim"]
+    real = [r for r in records if r["backend"] == "spu_nodes"]
+    assert [r["backend"] for r in summaries] == ["spu_sim", "spu_nodes"]
+    assert sim[-1]["tokens"] == real[-1]["tokens"] and len(real[-1]["tokens"]) == 3
+    sim_steps = [r for r in sim if r.get("phase") == "decode"]
+    real_steps = [r for r in real if r.get("phase") == "decode"]
+    assert len(sim_steps) == len(real_steps) == 2
+    for s, r in zip(sim_steps, real_steps):
+        assert s["messages"] == r["messages"] > 0
+        assert abs(s["comm_bytes"] - r["comm_bytes"]) < 1e-3 * r["comm_bytes"]
 
 
 # ----- faults -----------------------------------------------------------------------------
@@ -667,7 +690,8 @@ def test_a_signal_to_the_launcher_leaves_no_party_and_no_results(tmp_path, signu
 
 
 def test_party_table_pools_runs_and_prints_ratios_to_full(tmp_path):
-    """Medians over every decode step of repeated runs; ratios full / policy per config and T."""
+    """Medians (or means) over every decode step of repeated runs; ratios full / policy per
+    config and T."""
     from experiments import party_table
 
     def step(policy, wall, cpu, mb, msgs, net):
@@ -694,6 +718,16 @@ def test_party_table_pools_runs_and_prints_ratios_to_full(tmp_path):
     assert "| netns | 1024 | `mpcache` | 2.00x | 2.00x | 2.00x | 1.79x | - |" in text
     assert party_table.main(["party_table", str(tmp_path)]) == 0
     assert (tmp_path / "party_table.csv").read_text().count("\n") == 3
+    # the mean: a policy whose steps differ by design (refresh / reuse) costs its mean per token
+    means = {r["policy"]: r for r in party_table.summarize(party_table.decode_steps(tmp_path),
+                                                           statistic="mean")}
+    assert means["full"]["wall_s"] == 5.0 and means["full"]["max_party_cpu_s"] == pytest.approx(
+        (3.0 + 3.5 + 4.0) / 3)
+    assert means["full"]["lan_network_plus_cpu_s"] == pytest.approx(0.8 + 3.5)
+    assert party_table.main(["party_table", "--statistic=mean", str(tmp_path)]) == 0
+    with pytest.raises(SystemExit) as err:
+        party_table.main(["party_table", "--statistic=mode", str(tmp_path)])
+    assert err.value.code == 2
 
 
 def test_party_table_predicts_each_run_from_simulated_steps_for_its_link(tmp_path):
