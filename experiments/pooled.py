@@ -28,6 +28,7 @@ import numpy as np
 from absl import flags
 
 from experiments import accuracy_report, cli, task_registry
+from mpcache_jax.primitives import budget_label
 
 PPL_METRICS = ("ppl",)
 
@@ -109,8 +110,7 @@ def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
     for record in records:
         if len(budgets[record["policy"]]) > 1:
             budget = record.get("budget")
-            record["policy"] = (f"{record['policy']}@"
-                                f"{budget if isinstance(budget, str) else format(budget, 'g')}")
+            record["policy"] = f"{record['policy']}@{budget_label(budget)}"
         key = (record["source"], record["task"], record["sample_id"], record["policy"])
         if key in first:
             earlier = first[key]

@@ -549,6 +549,11 @@ def budget_record(budget):
     return str(budget) if isinstance(budget, Budget) else budget
 
 
+def budget_label(budget) -> str:
+    """A budget in a label or a message: '0.1', '128', '0.1min384' (a record's text as is)."""
+    return format(budget, "g") if isinstance(budget, float) else str(budget)
+
+
 def budget_ratio(budget) -> float | int:
     """The ratio (or count) part of a budget: what a plot's budget axis shows, and what a
     policy's layout follows where a floor must not change it."""

@@ -213,6 +213,8 @@ def test_a_budget_floor_gives_short_prompts_its_tokens_and_long_ones_their_ratio
     assert P.parse_budget(str(odd)) == odd                   # records name it exactly
     assert P.budget_record(floored) == "0.1min384" and P.budget_record(0.1) == 0.1
     assert P.budget_ratio("0.1min384") == P.budget_ratio(floored) == 0.1
+    assert [P.budget_label(b) for b in (0.1, 0.05, 128, floored, "0.2min64")] == [
+        "0.1", "0.05", "128", "0.1min384", "0.2min64"]
     assert (P.parse_budget("0.2"), P.parse_budget("128")) == (0.2, 128)
     assert isinstance(P.parse_budget("128"), int)
     for text, message in (("128min384", "ratio=128.0 must be in"),

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from mpcache_jax.policies import make_policy
+from mpcache_jax.primitives import budget_label
 from models import registry
 from models.config import ConfigError
 from models.model import Model
@@ -100,10 +101,6 @@ def _serves(job: JobSpec, budget, prompt_len: int) -> bool:
     return True
 
 
-def budget_text(budget) -> str:
-    return f"{budget:g}" if isinstance(budget, float) else str(budget)
-
-
 def ratio_for(tokens: int, prompt_len: int) -> float:
     """The shortest (then smallest) decimal ratio of the prompt that budgets exactly `tokens`
     of a `prompt_len`-token prompt (`primitives.budget_tokens`)."""
@@ -151,7 +148,7 @@ def check_policy_serves(job: JobSpec, prompt_len: int) -> None:
     except ValueError as err:
         ratio = job.budget is None or isinstance(job.budget, float)
         fit = smallest_budget(job, prompt_len, ratio)
-        given = (f"job.budget={budget_text(job.budget)}" if job.budget is not None else
+        given = (f"job.budget={budget_label(job.budget)}" if job.budget is not None else
                  f"job.budget (unset: {job.policy}'s default {policy.budget})")
         options = f" and job.policy_options={job.policy_options}" if job.policy_options else ""
         if fit is None:
@@ -163,7 +160,7 @@ def check_policy_serves(job: JobSpec, prompt_len: int) -> None:
                  and fit[1] > 1 else "")
         raise NodeConfigError(
             f"{given}: {err}; the smallest budget that serves the job's {prompt_len}-token "
-            f"prompt is job.budget={budget_text(fit[0])} ({fit[1]} tokens{count})") from None
+            f"prompt is job.budget={budget_label(fit[0])} ({fit[1]} tokens{count})") from None
 
 
 def check_job_bounds(config, prompt_len: int | None = None) -> None:
