@@ -1,7 +1,8 @@
 """The accuracy tasks by name: `--task=NAME` -> a builder of the task's samples.
 
 A builder takes the tokenizer and a `SampleSpec` (what every task may read: lengths, depths,
-counts, a data file) and returns the samples; a new task is one entry of `TASKS`.
+counts, a data file) and returns the samples; a new task is one entry of `TASKS`, which also
+says whether perplexity scores it and whether its samples come from --data_path.
 """
 from __future__ import annotations
 
@@ -53,20 +54,31 @@ def _longbench(tokenizer, spec: SampleSpec):
 
 
 TaskBuilder = Callable[[object, SampleSpec], object]
-TASKS: dict[str, TaskBuilder] = {
-    "passkey": _synthetic(tasks.passkey),
-    "needle": _synthetic(tasks.needle),
-    "kv_retrieval": _synthetic(tasks.kv_retrieval, with_depths=False),
-    "ppl": _ppl,
-    "longbench_jsonl": _longbench,
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A registered task. build(tokenizer, spec) -> its samples; perplexity: scored by the
+    perplexity of spec.target_len tokens, which it decodes instead of max_new_tokens;
+    data_path: its samples come from --data_path (the others from --seed and the repo's
+    prose)."""
+    build: TaskBuilder
+    perplexity: bool = False
+    data_path: bool = False
+
+
+TASKS: dict[str, Task] = {
+    "passkey": Task(_synthetic(tasks.passkey)),
+    "needle": Task(_synthetic(tasks.needle)),
+    "kv_retrieval": Task(_synthetic(tasks.kv_retrieval, with_depths=False)),
+    "ppl": Task(_ppl, perplexity=True, data_path=True),
+    "longbench_jsonl": Task(_longbench, data_path=True),
     # the fidelity suite (natural prose, experiments/natural_tasks.py)
-    **{name: _synthetic(make) for name, make in natural_tasks.NATURAL_TASKS.items()},
-    "continuation": _continuation,
+    **{name: Task(_synthetic(make)) for name, make in natural_tasks.NATURAL_TASKS.items()},
+    "continuation": Task(_continuation, perplexity=True),
 }
-# tasks scored by perplexity over a target: they decode target_len tokens, not max_new_tokens
-PERPLEXITY_TASKS = frozenset({"ppl", "continuation"})
-# tasks whose samples come from --data_path (the others: from --seed and the repo's prose)
-DATA_PATH_TASKS = frozenset({"ppl", "longbench_jsonl"})
+PERPLEXITY_TASKS = frozenset(name for name, task in TASKS.items() if task.perplexity)
+DATA_PATH_TASKS = frozenset(name for name, task in TASKS.items() if task.data_path)
 
 
 def parse_tasks(values: list[str]) -> list[str]:
@@ -83,4 +95,4 @@ def parse_tasks(values: list[str]) -> list[str]:
 
 def make_samples(task: str, tokenizer, spec: SampleSpec) -> list:
     """The task's samples (`spec.lengths` already within the model's context)."""
-    return list(TASKS[task](tokenizer, spec))
+    return list(TASKS[task].build(tokenizer, spec))
