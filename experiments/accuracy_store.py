@@ -15,8 +15,10 @@ def record_key(task: str, sample_id: str, policy: str, budget) -> tuple:
 
 # Flags that only choose which records a run makes (or where and how it runs); every other
 # flag can change a record, so --resume only reuses records made with the same values of those.
-SCOPE_FLAGS = ("task", "policies", "variants", "budgets", "resume", "output_dir", "verbose",
-               "policy_chunk", "mechanism", "experiment")
+# Sample i of a task is the same whatever --num_samples is (each task builds its samples in
+# order from the seed), so a resume with a larger --num_samples extends a run.
+SCOPE_FLAGS = ("task", "policies", "variants", "budgets", "num_samples", "resume", "output_dir",
+               "verbose", "policy_chunk", "mechanism", "experiment")
 
 
 def record_settings(flag_values: dict) -> dict:

@@ -56,7 +56,8 @@ flags.DEFINE_bool("mechanism", True, "Accuracy: per-layer answer-span survival a
                   "report them (MPCache and the prompt-eviction baselines).")
 flags.DEFINE_bool("resume", False, "Accuracy: keep the per-sample records already in "
                   "OUTPUT_DIR/samples.jsonl (same flags) and run only the missing sample x policy "
-                  "pairs, e.g. after a run was killed.")
+                  "pairs, e.g. after a run was killed, or with a larger --num_samples, more "
+                  "tasks, policies or budgets.")
 flags.DEFINE_integer("batch_size", 0, "Accuracy: samples of one prompt shape decoded together "
                      "(0 = as many as --memory_budget_mb holds, at most 16).")
 flags.DEFINE_integer("memory_budget_mb", 0, "Accuracy: device memory a batch may hold (0 = half "

@@ -100,16 +100,18 @@ def test_accuracy_cli_rejects_bad_flags_before_loading(flag, message):
 def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
     """--policy_chunk only changes when programs are compiled and freed, not any result;
     --resume keeps finished records and runs only the missing ones, a budget with a floor
-    (0.1min100: 100 of the 300 tokens, not 30) among them."""
+    (0.1min100: 100 of the 300 tokens, not 30) among them, and a larger --num_samples extends
+    a run (the chunked run made sample 0 only; the resume adds sample 1)."""
     outputs = {}
-    for run, extra in (("all", ["--policy_chunk=0"]), ("chunked", ["--policy_chunk=1"]),
-                       ("resumed", ["--policy_chunk=2", "--resume"])):
+    for run, extra in (("all", ["--policy_chunk=0", "--num_samples=2"]),
+                       ("chunked", ["--policy_chunk=1", "--num_samples=1"]),
+                       ("resumed", ["--policy_chunk=2", "--resume", "--num_samples=2"])):
         out = tmp_path / ("chunked" if run == "resumed" else run)
         if run == "resumed":   # as if the chunked run had been killed after 2 records
             lines = (out / "samples.jsonl").read_text().splitlines()
             (out / "samples.jsonl").write_text("\n".join(lines[:2]) + "\n")
         cmd = [sys.executable, "-m", "experiments.run", "--experiment=accuracy",
-               "--model=smollm2-135m", "--task=passkey", "--num_samples=2", "--lengths=300",
+               "--model=smollm2-135m", "--task=passkey", "--lengths=300",
                "--depths=0.3,0.8", "--policies=full,streaming_llm", "--budgets=0.1min100,0.5",
                "--max_new_tokens=8", f"--output_dir={out}", *extra]
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
@@ -124,7 +126,8 @@ def test_accuracy_policy_chunks_and_resume_give_the_same_records(tmp_path):
     # 2 samples x (full + streaming_llm at two budgets)
     assert len(outputs["all"]) == 2 * 3
     assert {o[2] for o in outputs["all"]} == {"1.0", "0.5", "0.1min100"}
-    assert outputs["all"] == outputs["chunked"] == outputs["resumed"]
+    assert outputs["chunked"] == [o for o in outputs["all"] if o[0] == outputs["chunked"][0][0]]
+    assert len(outputs["chunked"]) == 3 and outputs["all"] == outputs["resumed"]
     assert len({o[3] for o in outputs["all"]}) > 1  # the policies do not all say the same thing
 
 
