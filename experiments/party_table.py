@@ -1,18 +1,20 @@
-"""Medians and full/other ratios of multi-process decode steps (scripts/netns_3pc.sh runs).
+"""Medians (or means) and full / other ratios of multi-process decode steps (`mpcache party`
+and scripts/netns_3pc.sh runs).
 
     mpcache party-table results/tbf3c     # every results.jsonl under the folder
     mpcache party-table --statistic=mean results/parties_lan_2048_32
 
 Groups the decode-step records of every run under the folder by (node config, prompt length,
-policy) -- repeated runs of one configuration pool their steps -- and prints one markdown
-row per group: steps, the median (or with --statistic=mean the mean: a policy whose steps
-differ by design, such as refresh and reuse steps, costs its mean per token) measured wall
-per step, of the slowest party's CPU seconds, the counted bytes (summed over the parties) and messages, the network model's LAN
-time, and the model plus the slowest party's CPU; where the folder also holds simulated
-steps of the same prompt length and policy (`experiments.party --compare_sim`), the cost
-model's prediction for the run's link (`link.shape` of its node config: the LAN or WAN time
-of the simulated step, network model plus simulated compute). Then, per node config and
-length, each policy's ratio to `full` (full / policy: above 1 means cheaper than full).
+policy) -- repeated runs of one configuration pool their steps -- and prints one markdown row
+per group: steps, then the median (with --statistic=mean the mean: a policy whose steps differ
+by design, such as refresh and reuse steps, costs its mean per token) of the measured wall per
+step, the slowest party's CPU seconds, the counted bytes (summed over the parties) and
+messages, the network model's LAN time, and the model plus the slowest party's CPU; where the
+folder also holds simulated steps of the same prompt length and policy (`experiments.party
+--compare_sim`), the cost model's prediction for the run's link (`link.shape` of its node
+config: the LAN or WAN time of the simulated step, network model plus simulated compute).
+Then, per node config and length, each policy's ratio to `full` (full / policy: above 1 means
+cheaper than full).
 Writes the rows to FOLDER/party_table.csv.
 """
 from __future__ import annotations
