@@ -67,10 +67,10 @@ def load_runs(folders: list[str], renames: dict | None = None) -> list[dict]:
     found at several budgets becomes one policy per budget, named POLICY@BUDGET. Each record
     is tagged with its samples' source ("source": the --seed, or the data file of a task that
     reads one) and its run ("folder"), so that runs of the same samples with other policies
-    line up sample by sample, and runs of other samples add to them. A sample x policy found in two runs
-    counts once when both scored it the same, and is refused when they did not (other code
-    or settings). Refuses runs of different models or --lengths (their scores do not pool)
-    and a folder without samples.jsonl."""
+    line up sample by sample, and runs of other samples add to them. A sample x policy found
+    in two runs counts once when both scored it the same, and is refused when they did not
+    (other code or settings). Refuses runs of different models or --lengths (their scores do
+    not pool) and a folder without samples.jsonl."""
     renames = renames or {}
     known = {str(pathlib.Path(f)) for f in folders}
     for where, old in renames:
