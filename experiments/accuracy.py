@@ -313,7 +313,7 @@ def evaluate(cfg: AccuracyConfig) -> list[dict]:
             means = collections.defaultdict(list)
             for r in records:
                 if "skipped" not in r:
-                    means[f"{r['policy']}@{r['budget']}"].append(r["score"])
+                    means[f"{r['policy']}@{P.budget_label(r['budget'])}"].append(r["score"])
             bar.update(len(todo))
             bar.set_postfix({k: f"{np.mean(v):.2f}" for k, v in list(means.items())[:4]})
         compiled.update({k: v - before[k] for k, v in compilations().items()})

@@ -135,10 +135,11 @@ def plot_mechanism(rows: list[dict], path):
     fig, axes = plt.subplots(1, len(task_names), figsize=(6 * len(task_names), 4.2), squeeze=False)
     colors = plt.get_cmap("tab20").colors
     for ax, task in zip(axes.flat, task_names):
-        combos = sorted({(r["policy"], str(r["budget"])) for r in rows if r["task"] == task})
+        combos = sorted({(r["policy"], P.budget_label(r["budget"])) for r in rows
+                         if r["task"] == task})
         for i, (policy, budget) in enumerate(combos):
             mine = sorted((r for r in rows if r["task"] == task and r["policy"] == policy
-                           and str(r["budget"]) == budget), key=lambda r: r["layer"])
+                           and P.budget_label(r["budget"]) == budget), key=lambda r: r["layer"])
             layers = [r["layer"] for r in mine]
             color = colors[i % len(colors)]
             ax.plot(layers, [r["survive"] for r in mine], color=color,
@@ -179,7 +180,7 @@ def plot_needle_heatmaps(sample_records, path):
         ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-        ax.set_title(f"{policy} @ {budget}", fontsize=8)
+        ax.set_title(f"{policy}@{P.budget_label(budget)}", fontsize=8)
         ax.set_xlabel("prompt tokens", fontsize=7)
         ax.set_ylabel("needle depth", fontsize=7)
     for ax in list(axes.flat)[len(combos):]:
