@@ -132,6 +132,8 @@ def test_command_names_what_exists(doc, words):
             flags += _flags_of([line for line in lines if line.startswith("--")])
         if name == "variants" and value:          # (empty: no variants)
             variants = json.loads(value)
+        if name == "rename":                      # `mpcache pooled`: OLD:NEW names a policy
+            variants.update({entry.rpartition(":")[2]: {} for entry in value.split(",")})
     for name, value in flags:
         bare = name[2:] if name.startswith("no") and name[2:] in known else name
         assert bare in known, f"{doc}: {module} has no flag --{name} ({' '.join(words)[:120]})"
