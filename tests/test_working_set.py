@@ -20,7 +20,10 @@ from mpcache_jax.policy import PrefillAux
 def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget):
     policy = make_policy("mpcache", budget)
     floor = budget.min_tokens if isinstance(budget, P.Budget) else 0
-    for t in list(range(40, 600, 7)) + [1024, 2047, 2048, 3073, 4096, 8192]:
+    # (6145-6175, 6208, 8193, 16448: just past a cluster boundary of a class's short end,
+    # where rounding the window's start up would leave it fewer than recent_min tokens)
+    for t in list(range(40, 600, 7)) + [1024, 2047, 2048, 3073, 4096, 6145, 6160, 6208, 8192,
+                                        8193, 16448]:
         B = max(P.budget_tokens(P.budget_ratio(budget), t), min(floor, t))
         assert policy.budget_at(t) == B
         try:
@@ -30,14 +33,22 @@ def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget)
             continue
         L = geometry_length(t)
         c, S = policy.cluster_of(L), policy.stripes_of(L)
-        assert min(c, t) <= start <= t
-        attended = min(c, t) + S * m * c + (t - start)
+        sink = policy.sink_of(t)
+        assert min(c, t) >= sink >= min(4, t) and sink <= start <= t
+        attended = sink + S * m * c + (t - start)
         assert attended <= B or B >= t and attended == t, (t, B, m, start)
         if m:    # whole middle clusters before a cluster-aligned window; m in every stripe
             assert start % c == 0 and start <= t // c * c and (start // c - 1) // S >= m
+            # the window from a boundary: short of recent_min by less than a cluster, where
+            # the sink cluster had not the tokens to start it a cluster earlier
+            assert t - start > policy.recent_min - c, (t, B, m, start)
         extent = E.Extent(t, t)
         geo = policy.geometry(extent)
         assert geo.picks >= max(m, 1) and geo.recent >= t - start
+    default = make_policy("mpcache", "0.1min384")
+    for t in (6145, 6160, 6208, 8193, 16448):   # rounding up left 0-31 tokens before the cap
+        m, start = default.plan(t)
+        assert m == 1 and t - start >= 32 and 4 <= default.sink_of(t) < 64, (t, start)
     assert make_policy("mpcache", 0.1).plan(2048)[0] >= 1     # the default selects at 2k
     assert make_policy("mpcache", 0.1).plan(1025)[0] >= 1     # and at the bucket's smallest
 
@@ -176,24 +187,32 @@ def test_mass_selection_is_each_stripes_heaviest_clusters(scope):
     assert chosen["mass"] != chosen["max"]
 
 
-def test_attention_equals_attending_to_the_gathered_tokens():
+@pytest.mark.parametrize("budget, cluster, recent_min, T, sink, window",
+                         [(40, 4, 4, 70, 4, 2),        # (a sink of 4 has no token to give)
+                          # rounding the window's start up to a boundary would leave it no
+                          # token: it starts a cluster earlier, the sink gives up 2 tokens
+                          (30, 8, 6, 64, 6, 8)])
+def test_attention_equals_attending_to_the_gathered_tokens(budget, cluster, recent_min, T,
+                                                           sink, window):
     """Per KV head (select_scope="auto" with 2 KV heads): the sink, the head's selected
     clusters, the recent window and the generated tokens, nothing else."""
-    policy = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4,
-                         refresh_every=1)
-    T, new = 70, 3
+    policy = make_policy("mpcache", budget, cluster_size=cluster, stripes=2,
+                         recent_min=recent_min, refresh_every=1)
+    new = 3
     state, k, v = _layer(policy, T, new + 1)
     m, start = policy.plan(T)
     assert m >= 1 and policy.scope_for(2) == "head"
+    assert (policy.sink_of(T), T - start) == (sink, window)
+    assert sink + 2 * cluster * m + T - start <= budget
     rng = np.random.RandomState(2)
     for step in range(new):
         q = rng.randn(4, k.shape[-1]).astype(np.float32)
         k_new, v_new = rng.randn(2, 2, k.shape[-1]).astype(np.float32)
         want = []
         for head, clusters in enumerate(_reference_clusters(policy, q, k, T)):
-            slots = sorted({s for c in clusters for s in range(4 * c, 4 * c + 4)} |
-                           set(range(4)) | set(range(start, T)))
-            assert len(slots) <= 40
+            slots = sorted({s for c in clusters for s in range(cluster * c, cluster * (c + 1))}
+                           | set(range(sink)) | set(range(start, T)))
+            assert len(slots) <= budget
             keys = np.concatenate([k[head, slots], np.asarray(state.new.k[head, :step]),
                                    k_new[head, None]])
             vals = np.concatenate([v[head, slots], np.asarray(state.new.v[head, :step]),

@@ -24,7 +24,8 @@ default's cost"). A decode step attends to
 
 Counts follow the prompt length t: the budget B(t) tokens (a ratio of t or a count) holds the
 sink cluster, S x c x m(t) selected tokens and the recent window (whatever the selection's
-whole clusters leave, at least `recent_min` tokens while selection runs). The cluster size c
+whole clusters leave, at least `recent_min` tokens while selection runs: where its start at a
+cluster boundary needs more, the sink cluster gives them up). The cluster size c
 and the stripes S come from the length class at or above t (2^k or 3 x 2^(k-1): `geometry`),
 so every prompt of a bucket between two such lengths shares one layout and one compiled
 program; t itself may be a runtime value (bucketed prompts) through `mpcache_jax.extent`.
@@ -86,6 +87,9 @@ AUTO_HEAD_MAX_KV_HEADS = 4
 # the stripes): at 16384 tokens Gemma answered less with clusters of 128 (0.79x `full`'s
 # pooled score on 20 samples per set, KL 0.090) than with 64 (0.86x, KL 0.056).
 MIN_CLUSTER, MAX_CLUSTER = 4, 64
+# Fewest sink tokens a prompt attends when its recent window takes the rest of the sink
+# cluster (`plan`): StreamingLLM's four initial tokens.
+SINK_MIN_TOKENS = 4
 # Widest last tournament stage a stripe's top-1 takes over (`fused_runs`): its ranking grows
 # with (r n_b)^2, the stage it saves is two comparison rounds.
 FUSED_MAX_RUNS = 8
@@ -374,10 +378,26 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             # cluster: the middle clusters before it are whole, and every stripe must hold m
             # of them.
             start = math.ceil((t - (B - sink - S * c * m)) / c) * c
+            earlier = (t - self.recent_min) // c * c
+            if start > earlier and B - S * c * m - (t - earlier) >= min(SINK_MIN_TOKENS, sink):
+                # Rounding up to a boundary left the window fewer than recent_min tokens (a
+                # prompt just past a boundary: none at all): it starts earlier, and the sink
+                # cluster gives up the tokens the budget then lacks, where it has them.
+                start = earlier
             if start <= t // c * c and (start // c - 1) // S >= m:
                 return m, start
             m -= 1
         return 0, max(sink, t - (B - sink))    # no selection: the budget's last tokens
+
+    def sink_of(self, t: int) -> int:
+        """The sink cluster's tokens a t-token prompt attends: the whole cluster, less what the
+        recent window needed beyond the budget (`plan`)."""
+        m, start = self.plan(t)
+        sink = min(self.cluster_of(geometry_length(t)), t)
+        if m == 0:
+            return sink
+        S, c = self.stripes_of(geometry_length(t)), self.cluster_of(geometry_length(t))
+        return min(sink, self.budget_at(t) - S * c * m - (t - start))
 
     def geometry(self, extent: E.Extent) -> Geometry:
         """The static layout of this extent's prompt shape (`check_bucketed` makes sure that
@@ -394,9 +414,11 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                         recent=max(max(t - start for t, (_, start) in zip(lengths, plans)), 1))
 
     def counts(self, extent: E.Extent):
-        """(m, recent start) of this extent: ints, or int32 scalars for a runtime length."""
+        """(m, recent start, sink tokens) of this extent: ints, or int32 scalars for a runtime
+        length."""
         return (extent.count(lambda t: self.plan(t)[0], (self, "picks")),
-                extent.count(lambda t: self.plan(t)[1], (self, "recent_start")))
+                extent.count(lambda t: self.plan(t)[1], (self, "recent_start")),
+                extent.count(self.sink_of, (self, "sink")))
 
     def kept_count(self, prompt_len: int) -> int:
         """Nothing is evicted at prefill: the whole prompt stays in the region."""
@@ -631,7 +653,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         Returns (state, carry)."""
         extent = state.extent()
         geo = self.geometry(extent)
-        m, start = self.counts(extent)
+        m, start, _ = self.counts(extent)
         if isinstance(m, (int, np.integer)) and m == 0:
             return state, carry
         selects = self.share_layers == 1 or carry is None or layer % self.share_layers == 0
@@ -670,21 +692,21 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         new = append_token(state.new, k_new, v_new)
         extent = state.extent()
         geo = self.geometry(extent)
-        m, start = self.counts(extent)
+        m, start, sink = self.counts(extent)
         c, r = geo.cluster, geo.recent
         if isinstance(start, (int, np.integer)):
             begin = min(start, geo.region - r)
             recent_k, recent_v = state.prompt_keys(begin, r), state.v[:, begin:begin + r]
             slots = np.arange(begin, begin + r)
             recent_valid = ((slots >= start) & (slots < extent.length)).astype(np.float32)
-            sink_valid = (np.arange(c) < min(c, extent.length)).astype(np.float32)
+            sink_valid = (np.arange(c) < sink).astype(np.float32)
         else:
             begin = jnp.minimum(start, geo.region - r)
             recent_k = state.prompt_keys(begin, r)
             recent_v = jax.lax.dynamic_slice_in_dim(state.v, begin, r, axis=1)
             slots = begin + jnp.arange(r)
             recent_valid = ((slots >= start) & (slots < extent.length)).astype(jnp.float32)
-            sink_valid = (jnp.arange(c) < jnp.minimum(c, extent.length)).astype(jnp.float32)
+            sink_valid = (jnp.arange(c) < sink).astype(jnp.float32)
         parts_k = [state.prompt_keys(0, c), state.working_k, recent_k, new.k]
         parts_v = [state.v[:, :c], state.working_v, recent_v, new.v]
         parts_valid = [sink_valid, self.working_valid(geo, m), recent_valid, new.valid()]
@@ -709,11 +731,11 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         state, _ = self.refresh(layer, q, state, carry)
         extent = state.extent()
         geo = self.geometry(extent)
-        m, start = self.counts(extent)
+        m, start, sink = self.counts(extent)
         Hkv = state.kv_heads[0]
         slots = jnp.arange(geo.region)
         cluster = slots // geo.cluster
-        attended = (cluster == 0) | ((slots >= start) & (slots < extent.length))
+        attended = (slots < sink) | ((slots >= start) & (slots < extent.length))
         rows = jnp.repeat(jnp.arange(geo.picks)[None], geo.stripes, 0).reshape(-1)
         live = rows < m                                                     # [S m_max]
         chosen = state.picked + 1                                           # prompt clusters
