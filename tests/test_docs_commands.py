@@ -99,6 +99,19 @@ COMMANDS = _commands()
 ABSL_FLAGS = _absl_flags()
 
 
+def _variant_names() -> dict[str, set[str]]:
+    """Per doc, the variant names its commands define: `mpcache pooled` pools those runs."""
+    names: dict[str, set[str]] = {}
+    for doc, words in COMMANDS:
+        for name, value in _flags_of(words):
+            if name == "variants" and value and not PLACEHOLDER.search(value):
+                names.setdefault(doc, set()).update(json.loads(value))
+    return names
+
+
+DOC_VARIANTS = _variant_names()
+
+
 def test_the_docs_hold_commands_to_check():
     modules = {_module_and_flags(w)[0] for _, w in COMMANDS if w[0] != "bash"}
     assert len(COMMANDS) > 100 and "experiments.run" in modules and len(modules) >= 10
@@ -134,6 +147,8 @@ def test_command_names_what_exists(doc, words):
             variants = json.loads(value)
         if name == "rename":                      # `mpcache pooled`: OLD:NEW names a policy
             variants.update({entry.rpartition(":")[2]: {} for entry in value.split(",")})
+    if words[:2] == ["mpcache", "pooled"]:            # the runs of the doc's other commands
+        variants.update(dict.fromkeys(DOC_VARIANTS.get(doc, ()), {}))
     for name, value in flags:
         bare = name[2:] if name.startswith("no") and name[2:] in known else name
         assert bare in known, f"{doc}: {module} has no flag --{name} ({' '.join(words)[:120]})"
