@@ -46,7 +46,7 @@ def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget)
         geo = policy.geometry(extent)
         assert geo.picks >= max(m, 1) and geo.recent >= t - start
     default = make_policy("mpcache", "0.1min384")
-    for t in (6145, 6160, 6208, 8193, 16448):   # rounding up left 0-31 tokens before the cap
+    for t in (6145, 6160, 6208, 8193, 16448):   # (the window's start rounded up: 0-31 tokens)
         m, start = default.plan(t)
         assert m == 1 and t - start >= 32 and 4 <= default.sink_of(t) < 64, (t, start)
     assert make_policy("mpcache", 0.1).plan(2048)[0] >= 1     # the default selects at 2k

@@ -378,14 +378,16 @@ class WorkingSetMPCache(PromptEvictionPolicy):
             # cluster: the middle clusters before it are whole, and every stripe must hold m
             # of them.
             start = math.ceil((t - (B - sink - S * c * m)) / c) * c
+            starts = [start]
             earlier = (t - self.recent_min) // c * c
             if start > earlier and B - S * c * m - (t - earlier) >= min(SINK_MIN_TOKENS, sink):
                 # Rounding up to a boundary left the window fewer than recent_min tokens (a
                 # prompt just past a boundary: none at all): it starts earlier, and the sink
                 # cluster gives up the tokens the budget then lacks, where it has them.
-                start = earlier
-            if start <= t // c * c and (start // c - 1) // S >= m:
-                return m, start
+                starts.insert(0, earlier)
+            for start in starts:
+                if start <= t // c * c and (start // c - 1) // S >= m:
+                    return m, start
             m -= 1
         return 0, max(sink, t - (B - sink))    # no selection: the budget's last tokens
 
