@@ -394,12 +394,11 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     def sink_of(self, t: int) -> int:
         """The sink cluster's tokens a t-token prompt attends: the whole cluster, less what the
         recent window needed beyond the budget (`plan`)."""
+        L = geometry_length(t)
+        c, S = self.cluster_of(L), self.stripes_of(L)
         m, start = self.plan(t)
-        sink = min(self.cluster_of(geometry_length(t)), t)
-        if m == 0:
-            return sink
-        S, c = self.stripes_of(geometry_length(t)), self.cluster_of(geometry_length(t))
-        return min(sink, self.budget_at(t) - S * c * m - (t - start))
+        sink = min(c, t)
+        return sink if m == 0 else min(sink, self.budget_at(t) - S * c * m - (t - start))
 
     def geometry(self, extent: E.Extent) -> Geometry:
         """The static layout of this extent's prompt shape (`check_bucketed` makes sure that
