@@ -312,7 +312,7 @@ def tracing_for_mpc() -> bool:
     return _SECURE_TRACE.get()
 
 
-def gather_rows(onehot: jax.Array, x: jax.Array, loop: bool = False) -> jax.Array:
+def gather_rows(onehot: jax.Array, x: jax.Array, group: int | None = None) -> jax.Array:
     """One-hot MatMul gather. onehot: [..., k, N] 0/1 with at most one 1 per row; x: [..., N, D]
     -> [..., k, D] (zeros for an all-zero row).
 
@@ -320,10 +320,12 @@ def gather_rows(onehot: jax.Array, x: jax.Array, loop: bool = False) -> jax.Arra
     turned into integers by one comparison of its [k, N] entries; an integer one-hot is used
     as it is): an integer x fixed-point product needs no truncation of the [k, D] result (1.5x
     less ABY3 communication, `--experiment=mpc_cost --mpc_bench=gather_dtype`); values are
-    exact. Leading axes (heads) go through `batched_matmul` (one round of messages when small),
-    or, with `loop`, one product per leading index always (wide rows, where a block-diagonal
-    spread's extra multiply-accumulates cost more than the rounds it saves). In plaintext rows
-    of at least INDEX_GATHER_MIN_WIDTH columns are taken by index (the same values).
+    exact. Leading axes (heads, stripes) go through `batched_matmul` (one round of messages
+    when small), or, with `group` = g, g leading indices per product: each product spreads its
+    g one-hots block-diagonally (one round for g gathers, g times their multiply-accumulates),
+    ceil(L / g) products in all (g = 1: one per index; wide rows, where a whole spread's extra
+    work costs more than the rounds it saves). In plaintext rows of at least
+    INDEX_GATHER_MIN_WIDTH columns are taken by index (the same values).
     """
     lead = jnp.broadcast_shapes(onehot.shape[:-2], x.shape[:-2])
     if not jnp.issubdtype(onehot.dtype, jnp.integer):
@@ -338,12 +340,47 @@ def gather_rows(onehot: jax.Array, x: jax.Array, loop: bool = False) -> jax.Arra
     ints = jnp.broadcast_to(onehot, lead + onehot.shape[-2:]).astype(jnp.int32)
     rows = jnp.broadcast_to(x, lead + x.shape[-2:])
     (k, N), D = ints.shape[-2:], rows.shape[-1]
-    if loop:
-        out = jax.lax.dot_general(ints.reshape(-1, k, N), rows.reshape(-1, N, D),
-                                  (((2,), (1,)), ((0,), (0,))), preferred_element_type=x.dtype)
+    a, b = ints.reshape(-1, k, N), rows.reshape(-1, N, D)
+    if group is None:
+        out = batched_matmul(a, b, x.dtype)
     else:
-        out = batched_matmul(ints.reshape(-1, k, N), rows.reshape(-1, N, D), x.dtype)
+        out = grouped_matmul(a, b, group, x.dtype)
     return out.reshape(lead + (k, D))
+
+
+def grouped_matmul(a: jax.Array, b: jax.Array, group: int, out_dtype=None) -> jax.Array:
+    """a: [L, m, n]; b: [L, n, p] -> [L, m, p] in ceil(L / group) products (a round of messages
+    each under SPU), each the block-diagonal spread of its indices' a with their b stacked.
+    The indices are dealt into products of as equal a size as that count allows: one batched
+    product of the full groups and one of the rest (no padded index does work)."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group={group!r} must be an integer >= 1 (indices per product)")
+    L, m, n = a.shape
+    p = b.shape[-1]
+    products = -(-L // group)
+    size = -(-L // products)
+    if size == 1:
+        return jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))),
+                                   preferred_element_type=out_dtype)
+
+    def spread(a_part, b_part, count):                  # count products of `size` indices
+        a_part = a_part.reshape(count, size, m, n)
+        b_part = b_part.reshape(count, size * n, p)
+        if count == 1:
+            out = jax.lax.dot(block_diagonal(a_part[0]), b_part[0],
+                              preferred_element_type=out_dtype)[None]
+        else:
+            out = jax.lax.dot_general(jax.vmap(block_diagonal)(a_part), b_part,
+                                      (((2,), (1,)), ((0,), (0,))),
+                                      preferred_element_type=out_dtype)
+        return out.reshape(count * size, m, p)
+    full = L // size
+    out = spread(a[:full * size], b[:full * size], full)
+    rest = L - full * size
+    if rest:
+        out = jnp.concatenate([out, grouped_matmul(a[full * size:], b[full * size:], rest,
+                                                   out_dtype)])
+    return out
 
 
 def gather_clusters(onehot: jax.Array, x: jax.Array, cluster_size: int) -> jax.Array:

@@ -303,8 +303,8 @@ def test_tiled_causal_attention_equals_the_blocks_and_is_plaintext_only(tiles, m
         assert loops() == []
 
 
-@pytest.mark.parametrize("loop", [False, True])
-def test_plaintext_gathers_by_index_equal_the_secure_one_hot_products_bit_for_bit(loop):
+@pytest.mark.parametrize("group", [None, 1, 2, 3])
+def test_plaintext_gathers_by_index_equal_the_secure_one_hot_products_bit_for_bit(group):
     """gather_rows / chain_pick / chain_put take rows by index in plaintext programs and multiply
     by the one-hot in programs traced for MPC (`secure_trace`): the same values, bit for bit
     (zero rows included), float and integer one-hots alike."""
@@ -314,9 +314,9 @@ def test_plaintext_gathers_by_index_equal_the_secure_one_hot_products_bit_for_bi
     for h in range(3):
         rows[h, np.arange(4), rng.choice(20, 4, replace=False)] = 1   # row 4 stays empty
     for onehot in (rows, rows.astype(np.float32)):
-        plain = jax.jit(lambda o, v: P.gather_rows(o, v, loop=loop))(onehot, x)
+        plain = jax.jit(lambda o, v: P.gather_rows(o, v, group))(onehot, x)
         with P.secure_trace():
-            secure = jax.jit(lambda o, v: P.gather_rows(o, v, loop=loop))(onehot, x)
+            secure = jax.jit(lambda o, v: P.gather_rows(o, v, group))(onehot, x)
         np.testing.assert_array_equal(np.asarray(plain), np.asarray(secure))
         np.testing.assert_array_equal(np.asarray(plain)[:, :4], np.stack(
             [x[h, rows[h, :4].argmax(-1)] for h in range(3)]))
@@ -326,6 +326,36 @@ def test_plaintext_gathers_by_index_equal_the_secure_one_hot_products_bit_for_bi
     with P.secure_trace():
         picked_secure = jax.jit(lambda v: P.chain_put(chain, P.chain_pick(chain, v)))(x)
     np.testing.assert_array_equal(np.asarray(picked_plain), np.asarray(picked_secure))
+
+
+@pytest.mark.parametrize("L,group,products", [(7, 1, 7), (7, 3, 3), (8, 3, 3), (17, 8, 3),
+                                                (5, 5, 1), (5, 9, 1)])
+def test_grouped_gathers_take_one_product_per_group_and_the_same_rows(L, group, products):
+    """gather_rows with `group` g under MPC: ceil(L / g) products in all (batched or 2-D),
+    each spreading its share of the L one-hots block-diagonally, none padded (their spread
+    columns add up to L x N); the rows are the loop's, bit for bit."""
+    rng = np.random.RandomState(L * 10 + group)
+    x = jnp.asarray(rng.randn(L, 9, 6).astype(np.float32))
+    onehot = np.zeros((L, 2, 9), np.int32)
+    for i in range(L):
+        onehot[i, 0, rng.randint(9)] = 1                                # row 1 stays empty
+    with P.secure_trace():
+        loop = jax.jit(lambda o, v: P.gather_rows(o, v, 1))(onehot, x)
+        grouped = jax.jit(lambda o, v: P.gather_rows(o, v, group))(onehot, x)
+        dots = [e for e in jax.make_jaxpr(lambda o, v: P.gather_rows(o, v, group))(
+            onehot, x).jaxpr.eqns if e.primitive.name == "dot_general"]
+    np.testing.assert_array_equal(np.asarray(grouped), np.asarray(loop))
+    np.testing.assert_array_equal(np.asarray(loop)[:, 0], np.asarray(x)[np.arange(L), onehot[:, 0].argmax(-1)])
+    assert (np.asarray(loop)[:, 1] == 0).all()
+    counts, columns = 0, 0
+    for dot in dots:
+        (_, _), (batch, _) = dot.params["dimension_numbers"]
+        shape = dot.invars[0].aval.shape
+        counts += shape[0] if batch else 1
+        columns += (shape[0] if batch else 1) * shape[-1]
+    assert (counts, columns) == (products, L * 9)
+    with pytest.raises(ValueError, match="group=0"):
+        P.gather_rows(onehot, x, 0)
 
 
 @pytest.mark.parametrize("size", [1, 2, 16, 64, 256])

@@ -10,7 +10,7 @@ from mpcache_jax import attention
 from mpcache_jax import extent as E
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import empty_layer, fill_prefix
-from mpcache_jax.policies import make_policy
+from mpcache_jax.policies import make_policy, working_set
 from mpcache_jax.policies.working_set import geometry_length
 from mpcache_jax.policy import PrefillAux
 
@@ -395,30 +395,39 @@ def test_tournament_fanin_follows_the_rows_that_select():
 
 
 @pytest.mark.parametrize("scope", ["layer", "head"])
-@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("spread", ["loop", "pairs", "all"])
 def test_secure_gather_moves_the_picked_clusters_exactly(scope, spread, monkeypatch):
     """Under MPC the working set is gathered by integer one-hot products: one per stripe (and
-    KV head), or one block-diagonal product of them all; both give the plaintext gather's
+    KV head), one block-diagonal product per group of them, or one of them all (as the work
+    per saved round allows: GATHER_SPREAD_MAX_LOOP_MACS); each gives the plaintext gather's
     keys and values, bit for bit."""
     from mpcache_jax.policies import working_set
-    monkeypatch.setattr(working_set, "GATHER_SPREAD_MAX_LOOP_MACS", 1 << 40 if spread else 0)
     policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
                          select_scope=scope, refresh_every=1)
     T = 90
     state, k, v = _layer(policy, T, 4, seed=7, Hkv=3)
     geo = policy.geometry(E.Extent(T, T))
+    gathers = geo.stripes * (1 if scope == "layer" else 3)
+    work = geo.picks * geo.per_stripe * state.striped.shape[-1]
+    limit = {"loop": 0, "pairs": 2 * work, "all": 1 << 40}[spread]
+    monkeypatch.setattr(working_set, "GATHER_SPREAD_MAX_LOOP_MACS", limit)
+    group = policy.gather_group(gathers, geo.picks * geo.per_stripe, state.striped.shape[-1])
+    assert group == {"loop": 1, "pairs": 2, "all": gathers}[spread]
     m, start = policy.plan(T)
     q = jnp.asarray(np.random.RandomState(1).randn(6, 8).astype(np.float32))
     onehot, _ = policy.select(q, state, geo, m, start)
     plain = policy.gather(onehot, state, geo)
     with P.secure_trace():
         secure = jax.jit(lambda o, s: policy.gather(o, s, geo))(onehot, state)
-        hlo = jax.jit(lambda o, s: policy.gather(o, s, geo)).lower(onehot, state).as_text()
+        dots = [e for e in jax.make_jaxpr(lambda o, s: policy.gather(o, s, geo))(
+            onehot, state).jaxpr.eqns if e.primitive.name == "dot_general"]
     for got, want in zip(secure, plain):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert np.abs(np.asarray(plain[0])).sum() > 0
-    # the spread is one 2-D product; the loop a batched one over the stripes (and heads)
-    assert ("batching_dims" in hlo) == (not spread)
+    # products (a round each): 2-D for a whole spread, batched over the groups otherwise
+    products = sum(dot.invars[0].aval.shape[0] if dot.params["dimension_numbers"][1][0] else 1
+                   for dot in dots)
+    assert products == -(-gathers // group)
 
 
 def _picks_for_queries(dense, aux, T, queries, **options):
@@ -454,6 +463,30 @@ def test_auto_token_score_divides_by_the_keys_norms_on_models_with_normalized_ke
     want = {s: picks(s)[1] for s in ("dot", "cosine", "key_cosine")}
     assert want["dot"] != want["key_cosine"] != want["cosine"]
     assert auto == want["key_cosine" if normalized_keys else "dot"]
+
+
+def test_auto_cluster_score_takes_the_maxima_past_the_mass_length_class():
+    """On QK-norm models "auto" is the mass for prompts up to AUTO_MASS_MAX_LENGTH's class
+    and the maxima from the next class up (a bucket by its class); without QK-norm always the
+    maxima; a set cluster_score is kept at every length."""
+    policy = make_policy("mpcache", 0.1)
+    mass_max = working_set.AUTO_MASS_MAX_LENGTH
+
+    def resolved(T, normalized=True, low=None, pol=policy):
+        length = None if low is None else jnp.int32(T)
+        return pol.resolved_cluster_score(PrefillAux(None, T, length, low or 1,
+                                                     normalized_keys=normalized))
+    assert [resolved(T) for T in (2048, mass_max - 1, mass_max)] == ["mass"] * 3
+    assert [resolved(T) for T in (mass_max + 1, 12288, 16384, 32768)] == ["max"] * 4
+    assert resolved(12288, low=mass_max + 1) == "max"
+    assert resolved(mass_max, low=mass_max * 3 // 4 + 1) == "mass"
+    assert [resolved(T, False) for T in (2048, 16384)] == ["max", "max"]
+    mass = make_policy("mpcache", 0.1, cluster_score="mass")
+    assert resolved(16384, pol=mass) == "mass"
+    state = policy.compress((fill_prefix(empty_layer(1, 16400, 4), jnp.ones((1, 16384, 4)),
+                                         jnp.ones((1, 16384, 4))),),
+                            PrefillAux(None, 16384, normalized_keys=True), 4)[0]
+    assert state.score == "max" and state.inv_norms is not None      # key_cosine, as "max"
 
 
 @pytest.mark.parametrize("normalized_keys", [False, True])

@@ -58,14 +58,18 @@ TOKEN_WISE = ("max", "mass")    # cluster scores read every token's q . k
 # minimum over every score) cost 29 MB per step on two SmolLM2 layers at 8192 tokens.
 MASS_SCALE = 0.5
 # cluster_score="auto": the mass on models whose keys are RMS-normalised per head (QK-norm:
-# Gemma 3), the maxima otherwise. Under QK-norm every key has one norm, so one token's score
-# stands out little from its cluster's and a cluster's summed weight carries more of the
-# query's evidence; SmolLM2's best tokens stand far above the rest (up to 28.6 above the
-# sink's score) and its answers follow them. On Gemma the mass answered more at 2048 tokens
-# (pooled 0.309 against 0.253, n = 30 per set) and about as many at 8192 (0.215 against
-# 0.228), with fewer messages at both; on SmolLM2 fewer at 2048 (docs/results.md, "Fidelity
-# of the default").
+# Gemma 3) for prompts up to AUTO_MASS_MAX_LENGTH tokens' class, the maxima otherwise. Under
+# QK-norm every key has one norm, so one token's score stands out little from its cluster's
+# and a cluster's summed weight carries more of the query's evidence; SmolLM2's best tokens
+# stand far above the rest (up to 28.6 above the sink's score) and its answers follow them.
+# On Gemma the mass answered more at 2048 tokens (pooled 0.309 against 0.253, n = 30 per set)
+# and about as many at 8192 (0.215 against 0.228), with fewer messages at both; on SmolLM2
+# fewer at 2048 (docs/results.md, "Fidelity of the default"). Past 8192 the clusters stop
+# growing and their count grows instead (MAX_CLUSTER): at 16384 tokens on Gemma the mass
+# missed more of the needles than the maxima and kept further from `full` (docs/results.md,
+# "At the shipped budget"), so the maxima take over from the next class (12288) up.
 AUTO_NORMALIZED_CLUSTER_SCORE = "mass"
+AUTO_MASS_MAX_LENGTH = 8192
 TOKEN_SCORES = ("auto", "dot", "cosine", "key_cosine")
 # token_score="auto" on models whose keys are RMS-normalised per head (QK-norm): a key's norm
 # there comes from the k-norm's learned scale, not the token, and misleads a dot product.
@@ -93,13 +97,13 @@ SINK_MIN_TOKENS = 4
 # Widest last tournament stage a stripe's top-1 takes over (`fused_runs`): its ranking grows
 # with (r n_b)^2, the stage it saves is two comparison rounds.
 FUSED_MAX_RUNS = 8
-# The working-set gather is one product per stripe (and KV head), a round of messages each,
-# or under MPC one block-diagonal product of them all: L products' rounds become one, and the
-# local work grows L-fold (the loop's whole work L x m_max x n_b x row, multiply-accumulates,
-# per round saved). The spread is taken where that work per saved round is at most this:
-# SmolLM2 at 4096 tokens (21 products, 1.6M per round), Gemma at 8192 (8, 4.2M);
-# llama2-d1024's per-layer rows are wider (8.7M at 4096) and keep the loop, where a round
-# costs less than the work on a LAN.
+# The working-set gather is one product per stripe (and KV head), a round of messages each
+# under MPC, or block-diagonal products of g of them at once: g products' rounds become one,
+# and their local work grows g-fold (g x one gather's m_max x n_b x row multiply-accumulates
+# per round saved). Groups are as large as keep that work per saved round at most this:
+# SmolLM2 at 4096 tokens (21 gathers of 78k: one product), Gemma at 8192 (8 of 524k: one),
+# Gemma at 16384 (17 of 492k: 3 products of 6), llama2-d1024 at 4096 (7 of 1.2M: 3 of 3),
+# at 2048 (6 of 2.2M: the loop).
 GATHER_SPREAD_MAX_LOOP_MACS = 1 << 22
 # tournament_fanin=0: the cluster-max tournament's fan-in. A layer that selects once (a
 # selection shared by its heads, or one KV head) takes wide stages: few rounds, and its
@@ -240,9 +244,9 @@ class WorkingSetMPCache(PromptEvictionPolicy):
       for every prompt of a power-of-two bucket.
     recent_min: tokens the recent window keeps at least while selection runs.
     cluster_score: "auto" (AUTO_NORMALIZED_CLUSTER_SCORE on models whose keys are
-      RMS-normalised per head (QK-norm: Gemma 3), "max" otherwise), "max" (a cluster scores
-      its best token: the step's q . k over every
-      middle token, then a max over each cluster), "mass" (the attention mass the cluster
+      RMS-normalised per head (QK-norm: Gemma 3) for prompts up to the AUTO_MASS_MAX_LENGTH
+      class, "max" otherwise), "max" (a cluster scores its best token: the step's q . k over
+      every middle token, then a max over each cluster), "mass" (the attention mass the cluster
       would get, softened: the sum over its tokens and the group's query heads of exp of
       MASS_SCALE x (q . k / sqrt(d) less the sink slot's score); no comparison before the
       ranking: under MPC an exponential and a sum in place of the maxima's tournament) or
@@ -403,8 +407,7 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     def geometry(self, extent: E.Extent) -> Geometry:
         """The static layout of this extent's prompt shape (`check_bucketed` makes sure that
         a bucket's lengths share one)."""
-        low = extent.length if extent.static else extent.low
-        L = geometry_length(low)
+        L = self.length_class(extent)
         c, S = self.cluster_of(L), self.stripes_of(L)
         clusters = math.ceil(extent.capacity / c)
         per_stripe = max(1, math.ceil((clusters - 1) / S))
@@ -413,6 +416,12 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         return Geometry(cluster=c, stripes=S, clusters=clusters, per_stripe=per_stripe,
                         picks=max(1, max(m for m, _ in plans)),
                         recent=max(max(t - start for t, (_, start) in zip(lengths, plans)), 1))
+
+    @staticmethod
+    def length_class(extent: E.Extent) -> int:
+        """The geometry length of this extent's prompts (its shortest, for a bucket: a bucket
+        lies in one class, `check_bucketed`)."""
+        return geometry_length(extent.length if extent.static else extent.low)
 
     def counts(self, extent: E.Extent):
         """(m, recent start, sink tokens) of this extent: ints, or int32 scalars for a runtime
@@ -494,10 +503,13 @@ class WorkingSetMPCache(PromptEvictionPolicy):
                 and self.resolved_score(aux) != "dot")
 
     def resolved_cluster_score(self, aux) -> str:
-        """The cluster score this prompt's model gets ("max", "mean" or "mass")."""
+        """The cluster score this prompt's model and length class get ("max", "mean" or
+        "mass")."""
         if self.cluster_score != "auto":
             return self.cluster_score
-        return AUTO_NORMALIZED_CLUSTER_SCORE if aux.normalized_keys else "max"
+        if aux.normalized_keys and self.length_class(E.of(aux)) <= AUTO_MASS_MAX_LENGTH:
+            return AUTO_NORMALIZED_CLUSTER_SCORE
+        return "max"
 
     def resolved_score(self, aux) -> str:
         """The token score this prompt's model gets ("dot", "cosine" or "key_cosine")."""
@@ -628,15 +640,26 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         (GATHER_SPREAD_MAX_LOOP_MACS)."""
         Hkv, d = state.kv_heads
         S, c, m = geo.stripes, geo.cluster, geo.picks
-        work = onehot.shape[0] * S * m * geo.per_stripe * state.striped.shape[-1]
-        loop = work > GATHER_SPREAD_MAX_LOOP_MACS
+        group = self.gather_group(onehot.shape[0] * S, m * geo.per_stripe,
+                                  state.striped.shape[-1])
         if onehot.shape[0] == 1:
-            out = P.gather_rows(onehot[0], state.striped, loop=loop)         # [S, m, H_kv c 2d]
+            out = P.gather_rows(onehot[0], state.striped, group)            # [S, m, H_kv c 2d]
             out = out.reshape(S, m, Hkv, c, 2 * d).transpose(2, 0, 1, 3, 4)
         else:
-            out = P.gather_rows(onehot, state.striped, loop=loop).reshape(Hkv, S, m, c, 2 * d)
+            out = P.gather_rows(onehot, state.striped, group).reshape(Hkv, S, m, c, 2 * d)
         out = out.reshape(Hkv, S * m * c, 2 * d)
         return out[..., :d], out[..., d:]
+
+    @staticmethod
+    def gather_group(gathers: int, onehot_entries: int, row: int) -> int:
+        """Stripe gathers per product under MPC (a round of messages each), for `gathers`
+        one-hots of `onehot_entries` (m_max x n_b) over rows of `row` entries: g of them spread
+        block-diagonally do g^2 gathers' work instead of g for g - 1 rounds fewer, g x one
+        gather's work per round saved, taken while at most GATHER_SPREAD_MAX_LOOP_MACS (and
+        the spread one-hot within P.BLOCK_DIAGONAL_MAX entries)."""
+        by_work = GATHER_SPREAD_MAX_LOOP_MACS // max(1, onehot_entries * row)
+        by_size = math.isqrt(P.BLOCK_DIAGONAL_MAX // max(1, onehot_entries))
+        return int(max(1, min(gathers, by_work, by_size)))
 
     def working_valid(self, geo: Geometry, m):
         """[W] 0/1: working-set slots of rows below m (public: m counts from the length)."""
