@@ -102,8 +102,8 @@ FUSED_MAX_RUNS = 8
 # and their local work grows g-fold (g x one gather's m_max x n_b x row multiply-accumulates
 # per round saved). Groups are as large as keep that work per saved round at most this:
 # SmolLM2 at 4096 tokens (21 gathers of 78k: one product), Gemma at 8192 (8 of 524k: one),
-# Gemma at 16384 (17 of 492k: 3 products of 6), llama2-d1024 at 4096 (7 of 1.2M: 3 of 3),
-# at 2048 (6 of 2.2M: the loop).
+# Gemma at 16384 (17 of 492k: 3 products), llama2-d1024 at 4096 (7 of 1.2M: 3), at 8192 (8
+# of 2.1M: 4), at 2048 (6 of 2.2M: one each).
 GATHER_SPREAD_MAX_LOOP_MACS = 1 << 22
 # tournament_fanin=0: the cluster-max tournament's fan-in. A layer that selects once (a
 # selection shared by its heads, or one KV head) takes wide stages: few rounds, and its
