@@ -102,9 +102,13 @@ FUSED_MAX_RUNS = 8
 # and their local work grows g-fold (g x one gather's m_max x n_b x row multiply-accumulates
 # per round saved). Groups are as large as keep that work per saved round at most this:
 # SmolLM2 at 4096 tokens (21 gathers of 78k: one product), Gemma at 8192 (8 of 524k: one),
-# Gemma at 16384 (17 of 492k: 3 products), llama2-d1024 at 4096 (7 of 1.2M: 3), at 8192 (8
-# of 2.1M: 4), at 2048 (6 of 2.2M: one each).
+# Gemma at 16384 (17 of 492k: 3 products). Where the whole spread is too much work, groups
+# are formed only of gathers of at most GATHER_GROUP_MAX_MACS each: llama2-d1024's per-layer
+# rows (7 gathers of 1.2M at 4096, 8 of 2.1M at 8192) keep one product per stripe: in groups
+# of 2 at 8192 a refresh step took 4.69 s on a LAN with compute against the loop's 4.61 s and
+# saved 8 of its 1,361 messages (docs/results.md, "Cost per decode step").
 GATHER_SPREAD_MAX_LOOP_MACS = 1 << 22
+GATHER_GROUP_MAX_MACS = 1 << 20
 # tournament_fanin=0: the cluster-max tournament's fan-in. A layer that selects once (a
 # selection shared by its heads, or one KV head) takes wide stages: few rounds, and its
 # comparisons are shared by the query heads. Selecting per KV head pays the comparisons per
@@ -635,9 +639,8 @@ class WorkingSetMPCache(PromptEvictionPolicy):
     def gather(self, onehot: jax.Array, state: WorkingSetLayer, geo: Geometry):
         """The picked clusters' keys and values -> ([H_kv, W, d], [H_kv, W, d]): one product
         [m_max, n_b] x [n_b, row] per stripe (per stripe and KV head for a per-head selection)
-        over the rows laid out at compress (`stripe_rows`); under MPC one block-diagonal
-        product of them all where that saves rounds at little work
-        (GATHER_SPREAD_MAX_LOOP_MACS)."""
+        over the rows laid out at compress (`stripe_rows`); under MPC block-diagonal products
+        of `gather_group` of them each, a round of messages per product."""
         Hkv, d = state.kv_heads
         S, c, m = geo.stripes, geo.cluster, geo.picks
         group = self.gather_group(onehot.shape[0] * S, m * geo.per_stripe,
@@ -656,8 +659,12 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         one-hots of `onehot_entries` (m_max x n_b) over rows of `row` entries: g of them spread
         block-diagonally do g^2 gathers' work instead of g for g - 1 rounds fewer, g x one
         gather's work per round saved, taken while at most GATHER_SPREAD_MAX_LOOP_MACS (and
-        the spread one-hot within P.BLOCK_DIAGONAL_MAX entries)."""
-        by_work = GATHER_SPREAD_MAX_LOOP_MACS // max(1, onehot_entries * row)
+        the spread one-hot within P.BLOCK_DIAGONAL_MAX entries); groups short of all the
+        gathers only of gathers of at most GATHER_GROUP_MAX_MACS."""
+        work = max(1, onehot_entries * row)
+        by_work = GATHER_SPREAD_MAX_LOOP_MACS // work
+        if by_work < gathers and work > GATHER_GROUP_MAX_MACS:
+            return 1                   # wide gathers: groups short of the whole spread lose
         by_size = math.isqrt(P.BLOCK_DIAGONAL_MAX // max(1, onehot_entries))
         return int(max(1, min(gathers, by_work, by_size)))
 
