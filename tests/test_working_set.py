@@ -430,6 +430,20 @@ def test_secure_gather_moves_the_picked_clusters_exactly(scope, spread, monkeypa
     assert products == -(-gathers // group)
 
 
+def test_gather_groups_follow_the_work_per_round_saved_and_keep_wide_gathers_apart():
+    """gather_group: all the gathers in one product while g x one gather's work fits
+    GATHER_SPREAD_MAX_LOOP_MACS (SmolLM2 per head at 4096 tokens, Gemma at 8192), groups of as
+    many as fit where not (Gemma's 17 stripes at 16384: 8 per product), and one product per
+    gather for gathers wider than GATHER_GROUP_MAX_MACS (llama2-d1024's per-layer rows)."""
+    group = working_set.WorkingSetMPCache.gather_group
+    assert group(21, 19, 32 * 2 * 64) == 21                  # SmolLM2, 4096: 78k each
+    assert group(8, 16, 64 * 2 * 256) == 8                   # Gemma, 8192: 524k each
+    assert group(17, 15, 64 * 2 * 256) == 8                  # Gemma, 16384: 3 products
+    assert group(7, 19, 32 * 2 * 32 * 32) == 1               # llama2-d1024, 4096: 1.2M each
+    assert group(8, 16, 64 * 2 * 32 * 32) == 1               # llama2-d1024, 8192: 2.1M each
+    assert group(3, 10, 10) == 3 and group(1, 10, 10) == 1
+
+
 def _picks_for_queries(dense, aux, T, queries, **options):
     """(layer state, each query's picks) of a policy compressed from one dense layer."""
     policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4, **options)
