@@ -401,7 +401,6 @@ def test_secure_gather_moves_the_picked_clusters_exactly(scope, spread, monkeypa
     KV head), one block-diagonal product per group of them, or one of them all (as the work
     per saved round allows: GATHER_SPREAD_MAX_LOOP_MACS); each gives the plaintext gather's
     keys and values, bit for bit."""
-    from mpcache_jax.policies import working_set
     policy = make_policy("mpcache", 48, cluster_size=4, stripes=3, recent_min=4,
                          select_scope=scope, refresh_every=1)
     T = 90
