@@ -4,7 +4,7 @@ logits' largest difference from the same program on the CPU.
 
     mpcache device-check [--models=llama2-d1024,smollm2-135m,gemma3-270m]
         [--lengths=8192,32768] [--new_tokens=32] [--cpu_layers=2] [--host_loop]
-        [--phases=time,compare] [--unbounded] [--out=DIR]
+        [--phases=time,compare] [--perturb=EPS] [--unbounded] [--out=DIR]
 
 Weights: the registered model's real ones when its files are in the cache (no download is
 attempted), else random weights of the real geometry (kernels N(0, 1/fan_in), so activations
@@ -13,12 +13,16 @@ and logits are O(1)); the context is stretched to the prompt where a geometry's 
 comparison runs the same prompt through the model cut to its first --cpu_layers layers on the
 accelerator and on the CPU (a whole 32768-token model on the CPU would take most of an hour):
 prefill logits and every decode step's. Without an accelerator the CPU rows are printed and
-the comparison is skipped. Writes DIR/device_check.jsonl (one record per model, length and
-policy). --phases=compare runs only the comparisons. --host_loop also times the per-token host
-loop (one `Model.decode_step` call and one read of the token per step) beside the device
-loop. --unbounded runs the programs as before the long-prompt memory bounds (the prefill's
-blocks unrolled, not tiled; `compile-time --unbounded`), for comparison. Uses no SPU: it
-runs on a current JAX (scripts/xla_env.sh).
+the comparison is skipped (but for --perturb's). Writes DIR/device_check.jsonl (one record per
+model, length and policy). --phases=compare runs only the comparisons. --host_loop also times
+the per-token host loop (one `Model.decode_step` call and one read of the token per step)
+beside the device loop. --perturb=EPS (the compare phase, also without an accelerator) runs the
+cut model on the CPU a second time with its weights times (1 + EPS x N(0, 1)) and records how
+far that moves the logits: a selection whose picks change under rounding-sized changes of the
+weights moves its logits by far more than the weights' change, which tells such a difference
+on the accelerator from a wrong program. --unbounded runs the programs as before the
+long-prompt memory bounds (the prefill's blocks unrolled, not tiled; `compile-time
+--unbounded`), for comparison. Uses no SPU: it runs on a current JAX (scripts/xla_env.sh).
 """
 from __future__ import annotations
 
@@ -73,6 +77,16 @@ def load(name: str, length: int, new_tokens: int, seed: int):
     if model.cfg.max_position < need:
         model = Model(model.cfg.replace(max_position=need))
     return model, params, ("real" if real else "random")
+
+
+def perturbed(params, scale: float, seed: int):
+    """The weights times (1 + scale x N(0, 1)), drawn on the host."""
+    import jax
+    import numpy as np
+    rng = np.random.default_rng(seed + 1)
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(x) * (1 + scale * rng.standard_normal(np.shape(x))).astype(
+            np.asarray(x).dtype), params)
 
 
 def truncated(model, params, layers: int):
@@ -141,6 +155,15 @@ def host_loop_tokens_per_s(model, params, prompt, policy, new_tokens: int, devic
         return rates[-1]
 
 
+def differences(got, want) -> dict:
+    """Largest logit differences of two `run_once` results (prefill, any decode step) and
+    whether their greedy tokens agree."""
+    import numpy as np
+    return {"max_abs_logit_diff_prefill": float(np.max(np.abs(got[2] - want[2]))),
+            "max_abs_logit_diff_decode": float(np.max(np.abs(got[3] - want[3]))),
+            "same_tokens": bool(np.array_equal(got[4], want[4]))}
+
+
 def peak_bytes(device) -> int | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
@@ -154,8 +177,9 @@ def _flags() -> flags.FlagValues:
                         flag_values=fv)
     flags.DEFINE_string("policies", "full,mpcache", "comma-separated registered policies",
                         flag_values=fv)
-    flags.DEFINE_string("budget", "0.1", "the policies' budget: a share of the prompt, a "
-                        "token count or RATIOminTOKENS", flag_values=fv)
+    flags.DEFINE_string("budget", "0.1min384", "the policies' budget: a share of the prompt, a "
+                        "token count or RATIOminTOKENS (default: the shipped one)",
+                        flag_values=fv)
     flags.DEFINE_integer("new_tokens", 32, "tokens decoded per row", flag_values=fv)
     flags.DEFINE_integer("cpu_layers", 2, "layers of the model cut for the CPU comparison "
                          "(0: none)", flag_values=fv)
@@ -163,6 +187,8 @@ def _flags() -> flags.FlagValues:
                       "(Model.decode_step)", flag_values=fv)
     flags.DEFINE_string("phases", "time,compare", "time: the timing rows; compare: the CPU "
                         "comparisons", flag_values=fv)
+    flags.DEFINE_float("perturb", 0.0, "compare phase: also compare the CPU run with one whose "
+                       "weights are times (1 + PERTURB x N(0, 1)) (0: not)", flag_values=fv)
     flags.DEFINE_bool("unbounded", False, "lift the long-prompt memory bounds (the programs "
                       "before them, as compile-time --unbounded)", flag_values=fv)
     flags.DEFINE_integer("seed", 0, "random weights' and prompts' seed", flag_values=fv)
@@ -198,14 +224,21 @@ def main(argv: list[str]) -> int:
         cli.usage_error(f"--phases={args.phases!r}: a comma-separated subset of time,compare")
     if args.new_tokens < 2:
         cli.usage_error("--new_tokens must be >= 2")
+    if not 0 <= args.perturb < 1:
+        cli.usage_error(f"--perturb={args.perturb}: a relative scale in [0, 1), e.g. 1e-3")
     device = jax.devices()[0]
     cpu = jax.devices("cpu")[0]
     accelerated = device.platform != "cpu"
-    compare = accelerated and args.cpu_layers > 0 and "compare" in phase_names
-    why_not = ("no accelerator" if not accelerated else "--cpu_layers=0" if not args.cpu_layers
-               else "--phases")
-    print(f"jax {jax.__version__} on {device.platform} ({device.device_kind}); "
-          f"{f'CPU comparison at {args.cpu_layers} layers' if compare else f'no CPU comparison ({why_not})'}",
+    compare = ((accelerated or args.perturb > 0) and args.cpu_layers > 0
+               and "compare" in phase_names)
+    if compare:
+        what = (f"CPU comparison at {args.cpu_layers} layers"
+                + ("" if accelerated else " (no accelerator: against perturbed weights only)"))
+    else:
+        what = "no CPU comparison ({})".format(
+            "no accelerator" if not accelerated else "--cpu_layers=0" if not args.cpu_layers
+            else "--phases")
+    print(f"jax {jax.__version__} on {device.platform} ({device.device_kind}); {what}",
           flush=True)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -257,20 +290,25 @@ def main(argv: list[str]) -> int:
                             model, params, prompt, policy, args.new_tokens, device), 2)
                 else:
                     small, small_params = truncated(model, params, args.cpu_layers)
-                    got = run_once(small, small_params, prompt, policy, args.new_tokens, device)
                     want = run_once(small, small_params, prompt, policy, args.new_tokens, cpu,
                                     repeats=1)
-                    record.update(
-                        cpu_layers=small.cfg.num_layers,
-                        max_abs_logit_diff_prefill=float(np.max(np.abs(got[2] - want[2]))),
-                        max_abs_logit_diff_decode=float(np.max(np.abs(got[3] - want[3]))),
-                        logit_scale=float(np.std(want[3])),
-                        same_tokens=bool(np.array_equal(got[4], want[4])))
+                    record.update(cpu_layers=small.cfg.num_layers,
+                                  logit_scale=float(np.std(want[3])))
+                    if accelerated:
+                        got = run_once(small, small_params, prompt, policy, args.new_tokens,
+                                       device)
+                        record.update(differences(got, want))
+                    if args.perturb:
+                        moved = run_once(small, perturbed(small_params, args.perturb, args.seed),
+                                         prompt, policy, args.new_tokens, cpu, repeats=1)
+                        record.update({f"{k}_perturbed": v
+                                       for k, v in differences(moved, want).items()},
+                                      perturb=args.perturb)
         except Exception as err:   # a row that fails (memory) is recorded, not fatal
             record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         emit(record)
     print(f"\n{'model':14s} {'T':>6s} {'policy':8s} {'prefill s':>9s} {'tok/s':>8s} "
-          f"{'host tok/s':>10s} {'peak GB':>8s} {'|dlogit| cpu':>12s}")
+          f"{'host tok/s':>10s} {'peak GB':>8s} {'|dlogit| cpu':>12s} {'perturbed':>10s}")
     by_key = {}
     for r in records:
         by_key.setdefault((r["model"], r["prompt_tokens"], r["policy"]), {}).update(
@@ -278,11 +316,13 @@ def main(argv: list[str]) -> int:
     for r in by_key.values():
         peak = r.get("peak_device_bytes")
         diff = r.get("max_abs_logit_diff_decode")
+        moved = r.get("max_abs_logit_diff_decode_perturbed")
         print(f"{r['model']:14s} {r['prompt_tokens']:6d} {r['policy']:8s} "
               f"{r.get('prefill_s', float('nan')):9.2f} {r.get('decode_tokens_per_s', float('nan')):8.1f} "
               f"{r.get('host_loop_tokens_per_s', float('nan')):10.1f} "
               f"{(peak / 1e9 if peak else float('nan')):8.2f} "
-              f"{(diff if diff is not None else float('nan')):12.2e} {r.get('error', '')}")
+              f"{(diff if diff is not None else float('nan')):12.2e} "
+              f"{(moved if moved is not None else float('nan')):10.2e} {r.get('error', '')}")
     print(f"wrote {path}")
     return 0
 

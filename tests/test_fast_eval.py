@@ -275,3 +275,36 @@ def test_device_check_runs_only_the_phases_asked_for(tmp_path, capsys):
     if jax.devices()[0].platform == "cpu":
         assert "no CPU comparison (no accelerator)" in capsys.readouterr().out
         assert (tmp_path / "device_check.jsonl").read_text() == ""
+
+
+def test_device_check_perturb_compares_the_cpu_with_weights_moved_by_that_scale(tmp_path, capsys):
+    """--perturb=EPS: the compare phase also runs (on a CPU alone) against the cut model with
+    its weights times (1 + EPS x N(0, 1)); the record carries the perturbed differences, which
+    shrink with EPS; EPS outside [0, 1) is a usage error."""
+    import json
+    import numpy as np
+    from experiments import device_check
+    params = {"a": {"kernel": np.linspace(1.0, 2.0, 4096, dtype=np.float32)}}
+    moved = device_check.perturbed(params, 1e-3, seed=0)["a"]["kernel"]
+    change = moved / params["a"]["kernel"] - 1
+    assert moved.dtype == np.float32 and 0.8e-3 < np.std(change) < 1.2e-3
+    assert np.array_equal(device_check.perturbed(params, 0.0, seed=0)["a"]["kernel"],
+                          params["a"]["kernel"])
+    with pytest.raises(SystemExit) as err:
+        device_check.main(["device_check", "--perturb=1.5", f"--out={tmp_path}"])
+    assert err.value.code == 2 and "--perturb=1.5" in capsys.readouterr().err
+    diffs = []
+    for eps in (1e-2, 1e-4):
+        out = tmp_path / str(eps)
+        assert device_check.main(["device_check", "--phases=compare", "--models=llama-tiny",
+                                  "--lengths=64", "--policies=full", "--new_tokens=4",
+                                  "--cpu_layers=1", f"--perturb={eps}", f"--out={out}"]) == 0
+        (record,) = [json.loads(line) for line in
+                     (out / "device_check.jsonl").read_text().splitlines()]
+        assert record["perturb"] == eps and record["cpu_layers"] == 1
+        assert "error" not in record, record
+        if jax.devices()[0].platform == "cpu":
+            assert "max_abs_logit_diff_decode" not in record   # no accelerator to compare
+        diffs.append(record["max_abs_logit_diff_prefill_perturbed"])
+        assert 0 < diffs[-1] < record["logit_scale"]
+    assert diffs[1] < diffs[0] / 10
