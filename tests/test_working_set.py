@@ -346,6 +346,27 @@ def test_bad_settings_and_buckets_are_refused_with_the_setting_named():
     make_policy("mpcache", 0.1).check_bucketed(1600, 1537, 2048)
 
 
+def test_hand_set_stripes_the_budget_cannot_fill_are_refused_where_fitted_ones_select():
+    """stripes=24 of 64-token clusters need 1536 tokens: a 10% budget of a 12700-token prompt
+    (1270) holds none per stripe, so the policy would select nothing; it says so, naming the
+    stripes the budget holds. Where the budget holds them (16384 tokens), or where no stripes
+    would select either (a budget at the prompt's length), the prompt is served."""
+    budget = P.parse_budget("0.1min384")
+    wide = make_policy("mpcache", budget, stripes=24)
+    assert wide.plan(12700)[0] == 0 and make_policy("mpcache", budget).plan(12700)[0] == 1
+    with pytest.raises(ValueError, match=r"stripes=24 need 1536 tokens for one 64-token cluster "
+                                         r"each.*a budget of 1270 tokens for a 12700-token "
+                                         r"prompt.*\(stripes=0: as many as the budget holds, "
+                                         r"17 here\)"):
+        wide.check_prompt(12700)
+    wide.check_prompt(16384)
+    assert wide.plan(16384)[0] == 1
+    make_policy("mpcache", 384, stripes=24).check_prompt(300)   # the budget holds it all
+    tight = make_policy("mpcache", 40, cluster_size=4, stripes=2, recent_min=4)
+    tight.check_prompt(200)
+    assert tight.plan(200)[0] >= 1
+
+
 @pytest.mark.parametrize("T,cluster,ties,fanin", [
     (1200, 32, False, 16), (2400, 64, False, 16), (2400, 64, True, 16), (1500, 16, False, 16),
     (1500, 16, False, 4), (1200, 32, False, 4), (2400, 64, True, 2)])

@@ -439,7 +439,25 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         return prompt_len
 
     def check_prompt(self, prompt_len: int) -> None:
-        self.plan(prompt_len)
+        """Raise ValueError where the budget cannot hold the sink cluster, or where hand-set
+        `stripes` leave no room for a cluster per stripe although as many stripes as the
+        budget holds (stripes=0) would select: nothing would be selected, only the sink and
+        the budget's last tokens attended."""
+        m, _ = self.plan(prompt_len)
+        budget = self.budget_at(prompt_len)
+        if m or not self.stripes or budget >= prompt_len:
+            return
+        fitted = dataclasses.replace(self, stripes=0)
+        if fitted.plan(prompt_len)[0]:
+            length = geometry_length(prompt_len)
+            c = self.cluster_of(length)
+            raise ValueError(
+                f"policy {self.name!r}: stripes={self.stripes} need {self.stripes * c} tokens "
+                f"for one {c}-token cluster each, beside the sink cluster and a recent window "
+                f"of {self.recent_min}; a budget of {budget} tokens for a {prompt_len}-token "
+                "prompt holds fewer, so nothing would be selected; set fewer stripes "
+                f"(stripes=0: as many as the budget holds, {fitted.stripes_of(length)} here) "
+                "or a larger budget")
 
     def check_bucketed(self, length: int, low: int, capacity: int) -> None:
         if geometry_length(low) != geometry_length(capacity):
