@@ -443,12 +443,12 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         `stripes` leave no room for a cluster per stripe although as many stripes as the
         budget holds (stripes=0) would select: nothing would be selected, only the sink and
         the budget's last tokens attended."""
-        m, _ = self.plan(prompt_len)
-        budget = self.budget_at(prompt_len)
-        if m or not self.stripes or budget >= prompt_len:
+        m, _ = self.plan(prompt_len)   # a budget that holds the prompt: m = 0 for any stripes
+        if m or not self.stripes:
             return
         fitted = dataclasses.replace(self, stripes=0)
         if fitted.plan(prompt_len)[0]:
+            budget = self.budget_at(prompt_len)
             length = geometry_length(prompt_len)
             c = self.cluster_of(length)
             raise ValueError(
