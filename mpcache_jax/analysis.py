@@ -73,7 +73,8 @@ class SelectionProbe(AttentionPolicy):
 
     def compress(self, cache, aux, max_new_tokens):
         states = self.inner.compress(cache, aux, max_new_tokens)
-        return tuple(ProbeState(s, jnp.zeros(s.valid.shape, jnp.int32)) for s in states)
+        return tuple(ProbeState(s, jnp.zeros(self.inner.attended_shape(s), jnp.int32))
+                     for s in states)
 
     def free_slots(self, cache) -> int:
         return self.inner.free_slots(tuple(s.inner for s in cache))

@@ -20,13 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mpcache_jax import analysis
 from mpcache_jax import primitives as P
 from mpcache_jax.cache import LayerKV
 from mpcache_jax.policies import (POLICY_NAMES, make_policy, policy_class, policy_family,
                                   seam_violations)
 from mpcache_jax.policies.base import DecodeEvictionPolicy, PromptEvictionPolicy
 from mpcache_jax.policies.snapkv import SnapKV
-from mpcache_jax.policy import PrefillAux
+from mpcache_jax.policy import FULL, PrefillAux
 from models import registry
 from runtime.generate import compress_cache
 from tests.decode_helpers import teacher_forced_logits
@@ -94,8 +95,8 @@ def _probe_step(policy, q, k_new, v_new, cache):
     return jnp.stack(outs), tuple(states)
 
 
-def _attended(policy) -> list[np.ndarray]:
-    """Per decode step, [L, H, T + STEPS] 0/1: which tokens each head attended to."""
+def _probe_inputs():
+    """The synthetic dense cache and prefill aux of the probe, and its decode steps' inputs."""
     rng = np.random.RandomState(3)
     tags = np.eye(PROMPT + STEPS, DIM, dtype=np.float32)
     cache = []
@@ -106,15 +107,24 @@ def _attended(policy) -> list[np.ndarray]:
         v[:, :PROMPT] = tags[:PROMPT]
         cache.append(LayerKV(jnp.asarray(k), jnp.asarray(v), jnp.asarray(PROMPT, jnp.int32)))
     queries = tuple(jnp.asarray(rng.randn(HEADS, PROMPT, DIM), jnp.float32) for _ in range(LAYERS))
-    state = compress_cache(policy, tuple(cache), PrefillAux(queries, PROMPT), STEPS)
-    seen = []
-    for step in range(STEPS):
-        q = jnp.asarray(rng.randn(LAYERS, HEADS, DIM), jnp.float32)
-        k_new = jnp.asarray(rng.randn(LAYERS, KV_HEADS, DIM), jnp.float32)
-        v_new = jnp.broadcast_to(jnp.asarray(tags[PROMPT + step]), (KV_HEADS, DIM))
+    steps = [(jnp.asarray(rng.randn(LAYERS, HEADS, DIM), jnp.float32),
+              jnp.asarray(rng.randn(LAYERS, KV_HEADS, DIM), jnp.float32),
+              jnp.broadcast_to(jnp.asarray(tags[PROMPT + step]), (KV_HEADS, DIM)))
+             for step in range(STEPS)]
+    return tuple(cache), PrefillAux(queries, PROMPT), steps
+
+
+def _attended(policy, with_states: bool = False):
+    """Per decode step, [L, H, T + STEPS] 0/1: which tokens each head attended to (and, with
+    with_states, each step's layer states)."""
+    cache, aux, steps = _probe_inputs()
+    state = compress_cache(policy, cache, aux, STEPS)
+    seen, states = [], []
+    for q, k_new, v_new in steps:
         out, state = _probe_step(policy, q, k_new, v_new, state)
         seen.append(np.asarray(out) > 0)
-    return seen
+        states.append(state)
+    return (seen, states) if with_states else seen
 
 
 def test_probe_sees_every_token_under_full_attention():
@@ -141,6 +151,29 @@ def test_attends_to_at_most_budget_prompt_tokens(name, budget):
             f"{name} step {step}: prompt tokens attended per layer/head {prompt.tolist()} > "
             f"budget {per_layer.tolist()}")
         assert (seen[..., PROMPT:].sum(-1) <= step + 1).all()
+
+
+@pytest.mark.parametrize("name", [n for n in BUDGETED
+                                  if analysis.supports_mechanism(make_policy(n, 0.25))])
+def test_the_mechanism_probe_reports_the_prompt_tokens_a_step_attends(name):
+    """SelectionProbe (the fidelity suite's mechanism metrics) decodes as the policy and names
+    the prompt tokens each step attends to: per KV head, the tokens its query heads saw by the
+    value tags."""
+    policy = make_policy(name, 0.25)
+    seen = _attended(policy)
+    probed, states = _attended(analysis.SelectionProbe(inner=policy), with_states=True)
+    cache, aux, _ = _probe_inputs()
+    keep = analysis.prompt_keep_masks(policy, compress_cache(FULL, cache, aux, STEPS), aux)
+    group = HEADS // KV_HEADS
+    for step in range(STEPS):
+        np.testing.assert_array_equal(probed[step], seen[step])       # decodes as the policy
+        slots = [np.asarray(layer.attended) for layer in states[step]]
+        reported = analysis.attended_positions(slots, keep)           # L x [H_kv, T]
+        for layer in range(LAYERS):
+            saw = seen[step][layer, :, :PROMPT].reshape(KV_HEADS, group, PROMPT).any(axis=1)
+            np.testing.assert_array_equal(reported[layer], saw, err_msg=f"{name} step {step} "
+                                          f"layer {layer}")
+        assert 0 < np.mean([r.sum() for r in reported]) < KV_HEADS * PROMPT
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

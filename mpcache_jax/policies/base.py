@@ -524,6 +524,10 @@ class PromptEvictionPolicy(AttentionPolicy):
         kept token for a prefill-only policy)."""
         return (state.valid > 0.5).astype(jnp.int32)
 
+    def attended_shape(self, state: PrunedLayer) -> tuple[int, ...]:
+        """The shape of `attended_slots` for this layer state: [H_kv, S] (analysis)."""
+        return tuple(state.valid.shape)
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamingLLM(PromptEvictionPolicy):

@@ -775,6 +775,10 @@ class WorkingSetMPCache(PromptEvictionPolicy):
         return [(jnp.asarray(extent.valid()),) + self.layer_count(extent, len(cache), index)
                 for index in range(len(cache))]
 
+    def attended_shape(self, state: WorkingSetLayer) -> tuple[int, int]:
+        """[H_kv, C c]: `attended_slots` covers the whole prompt region (nothing is evicted)."""
+        return (state.kv_heads[0], state.v.shape[1])
+
     def attended_slots(self, layer, q, state: WorkingSetLayer, carry) -> jax.Array:
         """0/1 [H_kv, C c]: the prompt-region slots this step attends to (analysis)."""
         state, _ = self.refresh(layer, q, state, carry)
