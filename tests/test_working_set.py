@@ -55,21 +55,30 @@ def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget)
 
 def test_clusters_stop_growing_at_64_tokens_and_the_stripes_grow_instead():
     """Up to 8192 tokens the clusters grow with the prompt (128 candidates); from there they
-    stay at 64 tokens: the candidates and the stripes grow as T, each stripe still ranks
-    about as many candidates, and a refresh's comparisons (S n_b^2) grow as T."""
+    stay at 64 tokens, 32 above 16384 (LONG_CLASS): the candidates and the stripes grow as
+    T, each stripe still ranks about as many candidates, and a refresh's comparisons (S n_b^2)
+    grow as T."""
     policy = make_policy("mpcache", "0.1min384")
-    clusters = {L: policy.cluster_of(L) for L in (2048, 4096, 8192, 16384, 32768)}
-    assert clusters == {2048: 16, 4096: 32, 8192: 64, 16384: 64, 32768: 64}
-    rows = {t: policy.ranked_rows(t, 1) for t in (8192, 16384, 32768)}
-    for t in (16384, 32768):
+    clusters = {L: policy.cluster_of(L) for L in (2048, 4096, 8192, 16384, 24576, 32768, 65536)}
+    assert clusters == {2048: 16, 4096: 32, 8192: 64, 16384: 64, 24576: 32, 32768: 32,
+                        65536: 32}
+    rows = {t: policy.ranked_rows(t, 1) for t in (8192, 16384, 24577, 32744)}
+    for t in (16384, 24577, 32744):
+        c = policy.cluster_of(geometry_length(t))
         stripes, per_stripe = rows[t]
-        assert policy.geometry(E.Extent(t, t)).clusters == t // 64
-        assert stripes >= rows[8192][0] * t // 8192 * 3 // 4            # stripes grow ~ T
+        assert policy.geometry(E.Extent(t, t)).clusters == -(-t // c)
+        assert stripes >= rows[8192][0] * t // 8192 * 3 // 4 * 64 // c   # stripes grow ~ T / c
         assert per_stripe <= rows[8192][1]                              # rankings do not
-        assert stripes * per_stripe ** 2 <= 2 * rows[8192][0] * rows[8192][1] ** 2 * t // 8192
+        assert stripes * per_stripe ** 2 <= 2 * rows[8192][0] * rows[8192][1] ** 2 * t // 8192 * 64 // c
         m, start = policy.plan(t)
-        assert m >= 1 and start % 64 == 0
+        assert m == 1 and start % c == 0
+    # the working set holds as many tokens with 32-token clusters as 64-token ones would
+    wide = make_policy("mpcache", "0.1min384", cluster_size=64)
+    for t in (24577, 32744):
+        assert (policy.geometry(E.Extent(t, t)).working
+                >= wide.geometry(E.Extent(t, t)).working)
     assert make_policy("mpcache", 0.1, cluster_size=128).cluster_of(16384) == 128   # explicit
+    assert make_policy("mpcache", 0.1, cluster_size=64).cluster_of(32768) == 64
 
 
 def test_a_budget_floor_widens_short_prompts_only():

@@ -90,7 +90,12 @@ AUTO_HEAD_MAX_KV_HEADS = 4
 # Clusters of at most 64 from 8192 tokens up (the candidates grow as T / 64, and with them
 # the stripes): at 16384 tokens Gemma answered less with clusters of 128 (0.79x `full`'s
 # pooled score on 20 samples per set, KL 0.090) than with 64 (0.86x, KL 0.056).
+# From the LONG_CLASS class up (prompts above 16384 tokens) at most LONG_MAX_CLUSTER: at
+# 32768 tokens on Gemma clusters of 64 lost multi_needle answers `full` had, clusters of 32
+# kept them (as many stripes again, each ranking as many candidates), and a refresh sent
+# fewer bytes with the same messages under ABY3 (docs/results.md, "At the shipped budget").
 MIN_CLUSTER, MAX_CLUSTER = 4, 64
+LONG_CLASS, LONG_MAX_CLUSTER = 24576, 32
 # Fewest sink tokens a prompt attends when its recent window takes the rest of the sink
 # cluster (`plan`): StreamingLLM's four initial tokens.
 SINK_MIN_TOKENS = 4
@@ -241,7 +246,8 @@ class WorkingSetMPCache(PromptEvictionPolicy):
       own queries. 8 with refresh_every=3 selects at 16 of 32 steps, as refresh_every=2 does,
       13 of 24, 27 of 64.
     cluster_size: tokens per cluster; 0 = the geometry length / `candidates` within [4, 64]
-      (the cluster grows with the prompt up to 64 tokens, then the candidates grow).
+      (the cluster grows with the prompt up to 64 tokens, then the candidates grow; 32 above
+      16384 tokens).
     candidates: clusters a prompt of the geometry length is cut into (cluster_size=0).
     stripes: S, the rows the selection ranks (each keeps its best m clusters); 0 = as many
       as the budget of the smallest prompt of the geometry length holds clusters, so m >= 1
@@ -346,11 +352,13 @@ class WorkingSetMPCache(PromptEvictionPolicy):
 
     def cluster_of(self, length: int) -> int:
         """c for prompts of this geometry length: the power of two at or below length /
-        candidates, within [MIN_CLUSTER, MAX_CLUSTER]."""
+        candidates, within [MIN_CLUSTER, MAX_CLUSTER] (LONG_MAX_CLUSTER from the LONG_CLASS
+        class up)."""
         if self.cluster_size:
             return self.cluster_size
         size = 1 << max(0, (length // self.candidates).bit_length() - 1)
-        return int(min(MAX_CLUSTER, max(MIN_CLUSTER, size)))
+        largest = LONG_MAX_CLUSTER if length >= LONG_CLASS else MAX_CLUSTER
+        return int(min(largest, max(MIN_CLUSTER, size)))
 
     def stripes_of(self, length: int) -> int:
         """S for prompts of this geometry length: as many clusters as the budget of the
