@@ -56,8 +56,8 @@ def test_counts_keep_to_the_budget_and_share_one_layout_per_power_of_two(budget)
 def test_clusters_stop_growing_at_64_tokens_and_the_stripes_grow_instead():
     """Up to 8192 tokens the clusters grow with the prompt (128 candidates); from there they
     stay at 64 tokens, 32 above 16384 (LONG_CLASS): the candidates and the stripes grow as
-    T, each stripe still ranks about as many candidates, and a refresh's comparisons (S n_b^2)
-    grow as T."""
+    T / c, each stripe still ranks about as many candidates, and a refresh's comparisons
+    (S n_b^2) grow as T / c."""
     policy = make_policy("mpcache", "0.1min384")
     clusters = {L: policy.cluster_of(L) for L in (2048, 4096, 8192, 16384, 24576, 32768, 65536)}
     assert clusters == {2048: 16, 4096: 32, 8192: 64, 16384: 64, 24576: 32, 32768: 32,
