@@ -28,6 +28,7 @@ from absl import flags
 
 from experiments import cli
 from mpcache_jax import primitives as P
+from mpcache_jax.policies import DEFAULT_BUDGET
 
 
 def _same_budget(text: str, budget) -> bool:
@@ -215,7 +216,8 @@ def _flags() -> flags.FlagValues:
     flags.DEFINE_string("cost_dir", None, "decode-cost runs' output directories, "
                         "comma-separated (a policy and length are taken from the first run "
                         "that has them)", flag_values=fv)
-    flags.DEFINE_string("budget", "0.1min384", "the budget whose rows are joined (a ratio, a "
+    flags.DEFINE_string("budget", P.budget_label(DEFAULT_BUDGET), "the budget whose rows are "
+                        "joined (a ratio, a "
                         "token count or RATIOminTOKENS; default: the shipped budget)",
                         flag_values=fv)
     flags.DEFINE_enum("quality", "score", sorted(QUALITY), "the fronts' and the figure's "
