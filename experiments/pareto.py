@@ -27,6 +27,7 @@ import sys
 from absl import flags
 
 from experiments import cli
+from experiments.options import parse_numbers
 from mpcache_jax import primitives as P
 from mpcache_jax.policies import DEFAULT_BUDGET
 
@@ -217,9 +218,8 @@ def _flags() -> flags.FlagValues:
                         "comma-separated (a policy and length are taken from the first run "
                         "that has them)", flag_values=fv)
     flags.DEFINE_string("budget", P.budget_label(DEFAULT_BUDGET), "the budget whose rows are "
-                        "joined (a ratio, a "
-                        "token count or RATIOminTOKENS; default: the shipped budget)",
-                        flag_values=fv)
+                        "joined (a ratio, a token count or RATIOminTOKENS; default: the "
+                        "shipped budget)", flag_values=fv)
     flags.DEFINE_enum("quality", "score", sorted(QUALITY), "the fronts' and the figure's "
                       "quality: the pooled task score over full's, or greedy agreement",
                       flag_values=fv)
@@ -247,9 +247,9 @@ def main(argv: list[str]) -> int:
     fid_paths = [pathlib.Path(d) / "summary.csv" for d in args.fidelity_dir.split(",")]
     cost_paths = [pathlib.Path(d) / "results.jsonl" for d in args.cost_dir.split(",")]
     try:
-        seq_lens = [int(x) for x in args.seq_lens.split(",")]
-    except ValueError:
-        print(f"error: --seq_lens={args.seq_lens!r}: comma-separated integers", file=sys.stderr)
+        seq_lens = parse_numbers("seq_lens", args.seq_lens.split(","), int)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     for p in fid_paths + cost_paths:
         if not p.is_file():
