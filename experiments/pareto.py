@@ -211,10 +211,10 @@ def plot(rows: list[dict], path: pathlib.Path, budget, quality: str = "score") -
 
 def _flags() -> flags.FlagValues:
     fv = flags.FlagValues()
-    flags.DEFINE_string("fidelity_dir", None, "accuracy runs' output directories, "
+    flags.DEFINE_list("fidelity_dir", None, "accuracy runs' output directories, "
                         "comma-separated (same tasks and seed; a policy is taken from the first "
                         "run that has it)", flag_values=fv)
-    flags.DEFINE_string("cost_dir", None, "decode-cost runs' output directories, "
+    flags.DEFINE_list("cost_dir", None, "decode-cost runs' output directories, "
                         "comma-separated (a policy and length are taken from the first run "
                         "that has them)", flag_values=fv)
     flags.DEFINE_string("budget", P.budget_label(DEFAULT_BUDGET), "the budget whose rows are "
@@ -223,11 +223,11 @@ def _flags() -> flags.FlagValues:
     flags.DEFINE_enum("quality", "score", sorted(QUALITY), "the fronts' and the figure's "
                       "quality: the pooled task score over full's, or greedy agreement",
                       flag_values=fv)
-    flags.DEFINE_string("tasks", "multi_hop,multi_needle,qa,longbench_jsonl", "the tasks "
+    flags.DEFINE_list("tasks", "multi_hop,multi_needle,qa,longbench_jsonl", "the tasks "
                         "pooled into a policy's fidelity (every policy needs all)",
                         flag_values=fv)
     flags.DEFINE_string("protocol", "ABY3", "the cost run's protocol", flag_values=fv)
-    flags.DEFINE_string("seq_lens", "2048", "comma-separated cache lengths of the cost runs",
+    flags.DEFINE_list("seq_lens", "2048", "comma-separated cache lengths of the cost runs",
                         flag_values=fv)
     flags.DEFINE_string("output_dir", "results/pareto", "pareto.csv and pareto.md",
                         flag_values=fv)
@@ -244,10 +244,10 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"error: --budget: {err}", file=sys.stderr)
         return 2
-    fid_paths = [pathlib.Path(d) / "summary.csv" for d in args.fidelity_dir.split(",")]
-    cost_paths = [pathlib.Path(d) / "results.jsonl" for d in args.cost_dir.split(",")]
+    fid_paths = [pathlib.Path(d) / "summary.csv" for d in args.fidelity_dir]
+    cost_paths = [pathlib.Path(d) / "results.jsonl" for d in args.cost_dir]
     try:
-        seq_lens = parse_numbers("seq_lens", args.seq_lens.split(","), int)
+        seq_lens = parse_numbers("seq_lens", args.seq_lens, int)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
             return 2
     fidelity = {}
     for p in fid_paths:
-        for policy, row in read_fidelity(p, budget, args.tasks.split(",")).items():
+        for policy, row in read_fidelity(p, budget, args.tasks).items():
             fidelity.setdefault(policy, row)
     costs = read_cost_runs(cost_paths, args.protocol, budget)
     rows = join(fidelity, costs, seq_lens, args.quality)
